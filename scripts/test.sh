@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The README's test command: set up .venv (scripts/setup_env.sh) and run the default test suite.
+# Extra arguments go to pytest, e.g. `bash scripts/test.sh -m "not slow"` or `-k gguf`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup_env.sh
+exec .venv/bin/python -m pytest -q "$@"
