@@ -1,0 +1,66 @@
+"""Run-time settings chosen in gin config files (``configs/*.gin``) and ``--gin_param`` overrides.
+
+``configs/base.gin`` holds the defaults; each model family has a small file that includes it
+and overrides what differs. Settings are plain data handed to the engine; nothing here is
+read inside a jitted function.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Sequence
+
+import gin
+
+from .errors import ConfigError
+
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+KERNELS = ("reference", "pallas")
+KV_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class RuntimeSettings:
+    max_context: int = 4096  # tokens per sequence in the KV cache
+    ubatch: int = 512  # prefill tokens per step
+    parallel: int = 1  # sequences decoded together
+    kernels: str = "reference"  # reference: jnp dequantize+matmul; pallas: GPU kernels
+    placement: str = "card"  # placement rule string (see bloomery_jax.placement)
+    kv_dtype: str = "float32"
+
+    def __post_init__(self):
+        if self.kernels not in KERNELS:
+            raise ConfigError(f"RuntimeSettings.kernels must be one of {KERNELS}, got {self.kernels!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ConfigError(f"RuntimeSettings.kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
+        for name in ("max_context", "ubatch", "parallel"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"RuntimeSettings.{name} must be a positive integer, got {value!r}")
+        if self.ubatch > 4096:
+            raise ConfigError(f"RuntimeSettings.ubatch must be at most 4096, got {self.ubatch}")
+
+
+def load_settings(config_files: Sequence[str] = (), bindings: Sequence[str] = ()) -> RuntimeSettings:
+    """Parse gin files and bindings (``RuntimeSettings.ubatch = 1024``) into settings.
+
+    Bad files or bindings raise ConfigError naming what gin could not parse.
+    """
+    gin.clear_config()
+    for path in config_files:
+        if not os.path.isfile(path):
+            raise ConfigError(f"config file {path!r} does not exist")
+        # `include 'base.gin'` resolves next to the including file, then in configs/.
+        gin.add_config_file_search_path(os.path.dirname(os.path.abspath(path)))
+    gin.add_config_file_search_path(CONFIG_DIR)
+    try:
+        gin.parse_config_files_and_bindings(list(config_files), list(bindings), skip_unknown=False)
+        return RuntimeSettings()
+    except ConfigError:
+        raise
+    except Exception as e:  # gin raises ValueError, SyntaxError, KeyError …
+        raise ConfigError(f"bad gin config: {type(e).__name__}: {e}".splitlines()[0]) from None
+    finally:
+        gin.clear_config()
