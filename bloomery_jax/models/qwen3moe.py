@@ -1,15 +1,27 @@
 """Qwen3-MoE (``general.architecture = qwen3moe``): Qwen3-30B-A3B, Qwen3-235B-A22B.
 
-Contract: ``Config.from_gguf(gf)`` reads every hyper-parameter from metadata;
-``tensor_specs(cfg)`` is the table of tensors the file must hold (checked at load);
-``Config.to_metadata()`` is the inverse of ``from_gguf`` (used by the synthesizer).
+Contract: ``Config.from_gguf(gf)`` reads every hyper-parameter from metadata, with
+llama.cpp's defaults and key handling; ``tensor_specs(cfg)`` is the table of tensors the file
+must hold (checked at load); ``Config.to_metadata()`` is the inverse of ``from_gguf`` (used
+by the synthesizer); ``forward`` is the pure step (jit it with ``jit_forward``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
 from ..gguf_file import GGUFFile
+from ..ops.attention import gqa_attention
+from ..ops.experts import moe_swiglu
+from ..ops.norms import rms_norm
+from ..ops.qmatmul import as_f32, qmatmul, take_rows
+from ..ops.rope import RopeConfig, apply_rope, rope_cos_sin
+from ..ops.routing import route_topk
+from .kv_cache import KVCache
 from .spec import TensorSpec
 
 ARCH = "qwen3moe"
@@ -32,8 +44,10 @@ class Config:
     rope_dim: int | None = None  # rotated dims per head; None = head_dim
     rope_scaling: str = "none"  # none | linear | yarn
     rope_scaling_factor: float = 1.0
-    rope_orig_context: int = 0
-    yarn_ext_factor: float = -1.0  # <0: derived from the scaling factor, as llama.cpp does
+    rope_orig_context: int = 0  # 0: context_length
+    rope_attn_factor: float = 1.0  # rope.scaling.attn_factor, multiplies the final rope magnitude
+    # llama.cpp's hparams defaults for these; its qwen3moe loader reads none of them from the file.
+    yarn_ext_factor: float = -1.0  # <0: 1 with YaRN scaling, else 0
     yarn_attn_factor: float = 1.0
     yarn_beta_fast: float = 32.0
     yarn_beta_slow: float = 1.0
@@ -51,6 +65,43 @@ class Config:
     def n_rot(self) -> int:
         return self.rope_dim or self.head_dim
 
+    @property
+    def attn_scale(self) -> float:
+        return float(np.float32(1.0) / np.sqrt(np.float32(self.head_dim)))
+
+    def rope(self) -> RopeConfig:
+        """The arguments llama.cpp passes to ``ggml_rope_ext`` for this model (NeoX style).
+
+        Mirrors llama.cpp's context set-up: no scaling → ``freq_scale = 1``; ``ext_factor``
+        is 1 for YaRN and 0 otherwise; with YaRN the attention factor becomes
+        ``mscale(factor) / (1 + 0.1 ln factor)`` (the op multiplies the second factor back);
+        ``rope.scaling.attn_factor`` multiplies it in every case. float32 arithmetic throughout.
+        """
+        f = np.float32
+        freq_scale = f(1.0)
+        if self.rope_scaling != "none" and self.rope_scaling_factor not in (0.0, 1.0):
+            freq_scale = f(1.0) / f(self.rope_scaling_factor)
+        ext = self.yarn_ext_factor
+        if ext < 0:
+            ext = 1.0 if self.rope_scaling == "yarn" else 0.0
+        attn = f(self.yarn_attn_factor)
+        if ext != 0:
+            factor = f(1.0) / freq_scale
+            attn = f(1.0) if factor <= 1 else f(f(0.1) * np.log(factor) + f(1.0))
+            attn = f(attn * (f(1.0) / (f(1.0) + f(0.1) * np.log(factor))))
+        attn = f(attn * f(self.rope_attn_factor))
+        return RopeConfig(
+            n_dims=self.n_rot,
+            freq_base=float(f(self.rope_base)),
+            neox=True,
+            freq_scale=float(freq_scale),
+            ext_factor=float(ext),
+            attn_factor=float(attn),
+            beta_fast=float(self.yarn_beta_fast),
+            beta_slow=float(self.yarn_beta_slow),
+            n_ctx_orig=self.rope_orig_context or self.context_length,
+        )
+
     @classmethod
     def from_gguf(cls, gf: GGUFFile) -> "Config":
         k = gf.arch_key
@@ -67,7 +118,20 @@ class Config:
         n_vocab = k("vocab_size", int, default=len(tokens) if tokens is not None else None)
         if n_vocab is None:
             n_vocab = gf.tensor("token_embd.weight").shape[0]
-        scaling = k("rope.scaling.type", str, default="none")
+        n_experts_used = k("expert_used_count", int)
+        expert_ff = k("expert_feed_forward_length", int, default=None)
+        if expert_ff is None:  # llama.cpp falls back to the dense FF length split over the used experts
+            expert_ff = k("feed_forward_length", int) // max(n_experts_used, 1)
+        factor = k("rope.scaling.factor", float, default=None)
+        if factor is None:
+            factor = k("rope.scale_linear", float, default=None)
+        # llama.cpp: an absent type means linear (a no-op unless a factor is given).
+        scaling = k("rope.scaling.type", str, default="linear" if factor is not None else "none")
+        if scaling not in ("none", "linear", "yarn"):
+            from ..errors import GGUFError
+
+            raise GGUFError(gf.path, f"rope scaling {scaling!r} is not supported (none, linear, yarn)",
+                            key=f"{ARCH}.rope.scaling.type")
         return cls(
             n_layers=k("block_count", int),
             d_model=d_model,
@@ -75,20 +139,18 @@ class Config:
             n_kv_heads=k("attention.head_count_kv", int, default=n_heads),
             head_dim=head_dim,
             n_experts=k("expert_count", int),
-            n_experts_used=k("expert_used_count", int),
-            expert_ff=k("expert_feed_forward_length", int),
+            n_experts_used=n_experts_used,
+            expert_ff=expert_ff,
             n_vocab=int(n_vocab),
             context_length=k("context_length", int, default=40960),
             rms_eps=float(k("attention.layer_norm_rms_epsilon", float, default=1e-6)),
-            rope_base=float(k("rope.freq_base", float, default=1_000_000.0)),
+            # llama.cpp's default base when the key is absent is 10000, not Qwen3's 1e6.
+            rope_base=float(k("rope.freq_base", float, default=10_000.0)),
             rope_dim=k("rope.dimension_count", int, default=None),
             rope_scaling=scaling,
-            rope_scaling_factor=float(k("rope.scaling.factor", float, default=1.0)),
+            rope_scaling_factor=float(factor if factor else 1.0),
             rope_orig_context=k("rope.scaling.original_context_length", int, default=0),
-            yarn_ext_factor=float(k("rope.scaling.yarn_ext_factor", float, default=-1.0)),
-            yarn_attn_factor=float(k("rope.scaling.attn_factor", float, default=1.0)),
-            yarn_beta_fast=float(k("rope.scaling.yarn_beta_fast", float, default=32.0)),
-            yarn_beta_slow=float(k("rope.scaling.yarn_beta_slow", float, default=1.0)),
+            rope_attn_factor=float(k("rope.scaling.attn_factor", float, default=1.0)),
             tied_embeddings="output.weight" not in gf.tensors,
         )
 
@@ -111,10 +173,15 @@ class Config:
             p + "attention.layer_norm_rms_epsilon": float(self.rms_eps),
             p + "rope.freq_base": float(self.rope_base),
         }
+        if self.rope_dim is not None:
+            md[p + "rope.dimension_count"] = self.rope_dim
         if self.rope_scaling != "none":
             md[p + "rope.scaling.type"] = self.rope_scaling
             md[p + "rope.scaling.factor"] = float(self.rope_scaling_factor)
-            md[p + "rope.scaling.original_context_length"] = self.rope_orig_context
+            if self.rope_orig_context:
+                md[p + "rope.scaling.original_context_length"] = self.rope_orig_context
+        if self.rope_attn_factor != 1.0:
+            md[p + "rope.scaling.attn_factor"] = float(self.rope_attn_factor)
         return md
 
 
@@ -143,3 +210,88 @@ def tensor_specs(cfg: Config) -> list[TensorSpec]:
             TensorSpec(b + "ffn_down_exps.weight", (E, D, F), "expert", i),
         ]
     return specs
+
+
+# --- forward ---------------------------------------------------------------------------------
+# Legend: B sequences, T new tokens, S cache slots, D model dim, Hq/Hkv heads, Dh head dim,
+# E experts, k experts per token, V vocabulary, L layers.
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """What the routers chose at every layer and token of a step."""
+
+    experts: jax.Array  # int32 [L, B, T, k], best first
+    weights: jax.Array  # float32 [L, B, T, k], renormalised
+    margin: jax.Array  # float32 [L, B, T]: k-th minus (k+1)-th router logit (near-tie detector)
+
+
+def _attention_block(params, cfg: Config, i: int, x, cos, sin, positions, cache: KVCache, mask):
+    b = f"blk.{i}."
+    B, T, _ = x.shape
+    h = rms_norm(x, as_f32(params[b + "attn_norm.weight"]), cfg.rms_eps)
+    q = qmatmul(h, params[b + "attn_q.weight"]).reshape(B, T, cfg.n_heads, cfg.head_dim)  # [B, T, Hq, Dh]
+    k = qmatmul(h, params[b + "attn_k.weight"]).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)  # [B, T, Hkv, Dh]
+    v = qmatmul(h, params[b + "attn_v.weight"]).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
+    # Qwen3: per-head RMSNorm of q and k before the rotation.
+    q = apply_rope(rms_norm(q, as_f32(params[b + "attn_q_norm.weight"]), cfg.rms_eps), cos, sin, neox=True)
+    k = apply_rope(rms_norm(k, as_f32(params[b + "attn_k_norm.weight"]), cfg.rms_eps), cos, sin, neox=True)
+    cache = cache.write(i, k, v, positions)
+    k_all, v_all = cache.layer(i)  # [B, S, Hkv, Dh]
+    o = gqa_attention(q, k_all, v_all, mask, cfg.attn_scale).reshape(B, T, cfg.q_dim)  # [B, T, Hq*Dh]
+    return x + qmatmul(o, params[b + "attn_output.weight"]), cache
+
+
+def _moe_block(params, cfg: Config, i: int, x):
+    b = f"blk.{i}."
+    B, T, D = x.shape
+    h = rms_norm(x, as_f32(params[b + "ffn_norm.weight"]), cfg.rms_eps).reshape(B * T, D)  # [N, D]
+    router_logits = qmatmul(h, params[b + "ffn_gate_inp.weight"])  # [N, E]
+    experts, weights, margin = route_topk(router_logits, cfg.n_experts_used)  # [N, k], [N, k], [N]
+    y = moe_swiglu(h, experts, weights, params[b + "ffn_gate_exps.weight"],
+                   params[b + "ffn_up_exps.weight"], params[b + "ffn_down_exps.weight"])  # [N, D]
+    k = cfg.n_experts_used
+    return x + y.reshape(B, T, D), (experts.reshape(B, T, k), weights.reshape(B, T, k), margin.reshape(B, T))
+
+
+def forward(params, cfg: Config, tokens, positions, cache: KVCache, placement=None):
+    """One step over new tokens of B sequences: logits of every token, the updated cache, the routing.
+
+    Args:
+      params: dict GGUF tensor name → QTensor (from ``models.loader.load_model``).
+      cfg: the static Config.
+      tokens: int32 ``[B, T]``.
+      positions: int32 ``[B, T]``, the position of each token in its sequence; keys/values
+        are stored in cache slot = position (positions ``>= S`` are padding: not stored).
+      cache: KVCache holding ``[L, B, S, Hkv, Dh]`` keys/values of earlier steps.
+      placement: accepted and unused for now; the hybrid (card/host experts) issue fills it.
+    Returns:
+      logits float32 ``[B, T, V]``, the new KVCache, and a Routing.
+    """
+    del placement  # the reference path computes every expert on the default device
+    tokens = jnp.asarray(tokens, jnp.int32)
+    positions = jnp.asarray(positions, jnp.int32)
+    cos, sin = rope_cos_sin(positions, cfg.rope())  # [B, T, n_rot/2]
+    cache = cache.with_lengths(positions)
+    mask = cache.mask(positions)  # [B, T, S]
+    x = take_rows(params["token_embd.weight"], tokens)  # [B, T, D]
+    routes = []
+    for i in range(cfg.n_layers):  # a Python loop: tensor types may differ between layers
+        x, cache = _attention_block(params, cfg, i, x, cos, sin, positions, cache, mask)
+        x, route = _moe_block(params, cfg, i, x)
+        routes.append(route)
+    x = rms_norm(x, as_f32(params["output_norm.weight"]), cfg.rms_eps)
+    out_w = params.get("output.weight", params["token_embd.weight"])  # tied when output is absent
+    logits = qmatmul(x, out_w)  # [B, T, V]
+    routing = Routing(*(jnp.stack(parts) for parts in zip(*routes)))
+    return logits, cache, routing
+
+
+# The jitted step: cfg static, cache donated (its buffers are reused for the new cache).
+jit_forward = jax.jit(forward, static_argnames=("cfg",), donate_argnames=("cache",))
+
+
+def init_cache(cfg: Config, batch: int, max_len: int) -> KVCache:
+    """An empty cache for ``batch`` sequences of up to ``max_len`` positions."""
+    return KVCache.for_config(cfg, batch, max_len)

@@ -1,0 +1,74 @@
+"""SwiGLU experts of a MoE layer: the grouped reference path.
+
+Contract: ``moe_swiglu(x, experts, weights, gate, up, down)`` returns
+``sum_j weights[n, j] * down_e(silu(gate_e(x_n)) * up_e(x_n))`` with ``e = experts[n, j]``.
+Only the chosen (token, expert) pairs are computed: the pairs are sorted by expert and each
+projection is one ``jax.lax.ragged_dot_general`` over the expert groups (shapes are static,
+so it jits for any config). The k expert outputs of a token are summed in routing order,
+as llama.cpp's chain of ``ggml_add`` does.
+
+Note: on the CPU backend XLA lowers ``ragged_dot`` to a masked dense product (E times the
+FLOPs of the pairs); on GPU it is a grouped GEMM. Test shapes keep E small.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .qmatmul import as_f32
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+# lhs [M, K] (rows grouped by expert) x rhs [E, N, K] (GGUF [out, in] per expert) -> [M, N]
+_GROUPED_DN = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([1], [2]), ([], [])),
+    lhs_ragged_dimensions=[0],
+    rhs_group_dimensions=[0],
+)
+
+
+def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """``silu(gate) * up`` with ``silu(x) = x / (1 + exp(-x))``."""
+    return jax.nn.silu(gate) * up
+
+
+def grouped_matmul(x_sorted: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """Rows of ``x_sorted`` times their group's weight.
+
+    Args:
+      x_sorted: float32 ``[M, K]``, rows ordered by group.
+      w: float32 ``[E, N, K]``.
+      group_sizes: int32 ``[E]``, summing to M.
+    Returns:
+      float32 ``[M, N]``.
+    """
+    return jax.lax.ragged_dot_general(x_sorted, w, group_sizes, _GROUPED_DN, precision=HIGHEST)
+
+
+def moe_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate, up, down) -> jax.Array:
+    """Weighted sum of the chosen SwiGLU experts of every token.
+
+    Args:
+      x: float32 ``[N, D]`` (N tokens).
+      experts: int32 ``[N, k]`` chosen experts.
+      weights: float32 ``[N, k]`` their weights.
+      gate, up: QTensor or array ``[E, F, D]``; down: ``[E, D, F]`` (F expert hidden size).
+    Returns:
+      float32 ``[N, D]``.
+    """
+    N, k = experts.shape
+    wg, wu, wd = as_f32(gate), as_f32(up), as_f32(down)
+    n_exp = wg.shape[0]
+    flat = experts.reshape(N * k)  # [P] pairs, token-major
+    order = jnp.argsort(flat, stable=True)  # [P] pair ids grouped by expert
+    group_sizes = jnp.bincount(flat, length=n_exp).astype(jnp.int32)  # [E]
+    xs = x.astype(jnp.float32)[order // k]  # [P, D]
+    h = swiglu(grouped_matmul(xs, wg, group_sizes), grouped_matmul(xs, wu, group_sizes))  # [P, F]
+    y = grouped_matmul(h, wd, group_sizes)  # [P, D]
+    inv = jnp.argsort(order)  # [P]: sorted row of each token-major pair
+    y = y[inv].reshape(N, k, -1) * weights[:, :, None]  # [N, k, D]
+    out = y[:, 0]
+    for j in range(1, k):  # llama.cpp adds the k outputs one after another
+        out = out + y[:, j]
+    return out

@@ -1,0 +1,55 @@
+"""Quantized matmul reference and row lookup: dequantize the blocks, then plain float32 math.
+
+This is the slow twin every fused kernel is checked against: values are exactly the
+file's dequantized values (``QTensor.dequantize``) and the product is float32 with
+``Precision.HIGHEST`` (no bf16 passes on accelerators).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ..quant import QTensor, dequantize
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def as_f32(w) -> jax.Array:
+    """The float32 values of a weight given as a QTensor or a plain array."""
+    if isinstance(w, QTensor):
+        return w.dequantize(jnp.float32)
+    return jnp.asarray(w, jnp.float32)
+
+
+def qmatmul(x: jax.Array, w) -> jax.Array:
+    """``x @ w.T`` for a GGUF weight ``w`` of shape ``[N, K]`` (K inputs to N outputs).
+
+    Args:
+      x: float ``[..., K]``.
+      w: QTensor or array ``[N, K]``.
+    Returns:
+      float32 ``[..., N]``.
+    """
+    wf = as_f32(w)
+    return jnp.einsum("...k,nk->...n", x.astype(jnp.float32), wf, precision=HIGHEST)
+
+
+def take_rows(w, rows: jax.Array) -> jax.Array:
+    """Rows of a ``[N, K]`` weight (the embedding lookup), dequantizing only those rows.
+
+    Args:
+      w: QTensor or array ``[N, K]``.
+      rows: int ``[...]`` row indices.
+    Returns:
+      float32 ``[..., K]``.
+    """
+    if not isinstance(w, QTensor):
+        return jnp.asarray(w, jnp.float32)[rows]
+    if len(w.shape) != 2:
+        raise ValueError(f"take_rows needs a 2-D weight, got shape {w.shape}")
+    flat = rows.reshape(-1)  # [R]
+    # data is [N, row_bytes] for blocks, [N, K] for plain types: a row is data[i] either way.
+    picked = w.data[flat]
+    vals = dequantize(picked, w.qtype, (flat.shape[0], w.shape[1]))  # [R, K]
+    return vals.reshape(*rows.shape, w.shape[1])
