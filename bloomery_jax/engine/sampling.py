@@ -1,0 +1,242 @@
+"""On-device sampling for a batch of rows, each with its own settings, in one compiled function.
+
+Contract. Every per-request setting is a per-row array (:class:`SamplerRows`), so requests with
+different settings share one compiled step; :func:`sample` maps ``logits [B, V]`` and the rows to
+one token per row plus log-probabilities. The rules, applied in this order (llama.cpp's order):
+
+1. logit bias: ``l += bias`` (``-inf`` bans a token);
+2. penalties: repetition ``r`` (HF / llama.cpp rule: ``l / r`` where ``l > 0`` else ``l * r``) on
+   every token seen in the prompt or generated so far; presence ``a`` and frequency ``f``
+   (OpenAI rule: ``l -= a * [c > 0] + f * c``) on generated tokens only, ``c`` = times generated;
+3. temperature ``<= 0``: greedy, the first index of the largest logit (steps 4-7 skipped);
+4. top-k (``k <= 0`` = off): keep the k largest (ties broken by the lower token id);
+5. top-p (``p >= 1`` = off): of the kept tokens renormalised, keep each whose probability mass
+   *before* it in descending order is ``< p`` (the smallest set reaching ``p``; the top token
+   is always kept);
+6. min-p: keep tokens with ``p >= min_p * p_max``, i.e. ``l - l_max >= log(min_p)``;
+7. temperature: draw from ``softmax(l / T)`` over the kept tokens (Gumbel-max).
+
+Reproducibility: row b's random key is ``fold_in(key(seed_b), step_b)``, with ``step_b`` the index
+of the token being drawn (0 = first generated token), so a sequence's tokens depend only on its
+own seed, prompt and logits, never on the other rows or the batch size.
+
+Reported log-probabilities (``n_probs``) are those of the model's own distribution,
+``log_softmax`` of the raw logits, before bias, penalties and temperature (as llama-server does by
+default); the top-n list is taken from the same distribution.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Mapping, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..errors import ConfigError
+
+MAX_N_PROBS = 20  # OpenAI's top_logprobs limit; the top-n width the step computes (static)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """One request's sampling settings (host side). ``validate`` raises ConfigError on bad values."""
+
+    temperature: float = 1.0  # <= 0: greedy
+    top_k: int = 0  # <= 0: off
+    top_p: float = 1.0  # 1: off
+    min_p: float = 0.0  # 0: off
+    repetition_penalty: float = 1.0  # 1: off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Mapping[int, float] = dataclasses.field(default_factory=dict)
+    seed: int = 0
+    n_probs: int = 0  # how many top log-probabilities to report per token
+
+    def validate(self, n_vocab: int, max_n_probs: int = MAX_N_PROBS) -> None:
+        def bad(field: str, why: str):
+            raise ConfigError(f"sampling parameter {field}={getattr(self, field)!r}: {why}")
+
+        def finite(field: str):
+            v = getattr(self, field)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                bad(field, "must be a finite number")
+
+        for f in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            finite(f)
+        if self.temperature < 0:
+            bad("temperature", "must be >= 0 (0 = greedy)")
+        if not 0.0 <= self.top_p <= 1.0:
+            bad("top_p", "must be in [0, 1]")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", "must be in [0, 1]")
+        if self.repetition_penalty <= 0:
+            bad("repetition_penalty", "must be > 0 (1 = off)")
+        for f in ("top_k", "seed", "n_probs"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                bad(f, "must be an integer")
+        if not 0 <= self.n_probs <= max_n_probs:
+            bad("n_probs", f"must be in [0, {max_n_probs}]")
+        for tok, value in self.logit_bias.items():
+            if isinstance(tok, bool) or not isinstance(tok, (int, np.integer)) or not 0 <= tok < n_vocab:
+                raise ConfigError(f"sampling parameter logit_bias: token id {tok!r} is not in [0, {n_vocab})")
+            if not isinstance(value, (int, float)) or math.isnan(value) or value == math.inf:
+                raise ConfigError(f"sampling parameter logit_bias[{tok}]={value!r}: must be a number < +inf")
+
+
+class SamplerRows(NamedTuple):
+    """Per-row sampler inputs on the device (B rows, V vocabulary)."""
+
+    temperature: jax.Array  # [B] f32
+    top_k: jax.Array  # [B] i32
+    top_p: jax.Array  # [B] f32
+    min_p: jax.Array  # [B] f32
+    repetition: jax.Array  # [B] f32
+    presence: jax.Array  # [B] f32
+    frequency: jax.Array  # [B] f32
+    seed: jax.Array  # [B, 2] u32, (high, low) words of the 64-bit seed
+    step: jax.Array  # [B] i32, index of the token being drawn
+    bias: jax.Array  # [B, V] f32
+    counts: jax.Array  # [B, V] i32, times each token was generated
+    seen: jax.Array  # [B, V] bool, token occurs in the prompt
+
+
+class SampleOut(NamedTuple):
+    token: jax.Array  # [B] i32
+    logprob: jax.Array  # [B] f32, raw log-probability of the chosen token
+    top_ids: jax.Array  # [B, N] i32, N = n_top, descending log-probability
+    top_logprobs: jax.Array  # [B, N] f32
+
+
+def row_arrays(params: SamplingParams, n_vocab: int, prompt: Sequence[int] = (),
+               generated: Sequence[int] = ()) -> dict[str, np.ndarray]:
+    """Host arrays of one row (no batch axis) for ``params`` after ``prompt`` and ``generated``."""
+    seed = int(params.seed) & ((1 << 64) - 1)  # any Python int → 64 bits, two u32 words
+    bias = np.zeros(n_vocab, np.float32)
+    for tok, value in params.logit_bias.items():
+        bias[int(tok)] += np.float32(value)
+    seen = np.zeros(n_vocab, bool)
+    seen[np.asarray(prompt, np.int64)] = True
+    counts = np.bincount(np.asarray(generated, np.int64), minlength=n_vocab).astype(np.int32)
+    return dict(
+        temperature=np.float32(params.temperature), top_k=np.int32(params.top_k),
+        top_p=np.float32(params.top_p), min_p=np.float32(params.min_p),
+        repetition=np.float32(params.repetition_penalty), presence=np.float32(params.presence_penalty),
+        frequency=np.float32(params.frequency_penalty),
+        seed=np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32), step=np.int32(len(generated)),
+        bias=bias, counts=counts, seen=seen,
+    )
+
+
+def make_rows(rows: Sequence[dict[str, np.ndarray]]) -> SamplerRows:
+    """Stack host rows (from :func:`row_arrays`) into device :class:`SamplerRows` [B, ...]."""
+    return SamplerRows(**{f: jnp.asarray(np.stack([r[f] for r in rows])) for f in SamplerRows._fields})
+
+
+def processed_logits(logits: jax.Array, rows: SamplerRows) -> jax.Array:
+    """Logit bias then penalties (rules 1-2). logits [B, V] f32 → [B, V] f32."""
+    x = logits.astype(jnp.float32) + rows.bias
+    rep = rows.repetition[:, None]  # [B, 1]
+    hit = rows.seen | (rows.counts > 0)
+    x = jnp.where(hit, jnp.where(x > 0, x / rep, x * rep), x)
+    c = rows.counts.astype(jnp.float32)
+    return x - rows.presence[:, None] * (c > 0) - rows.frequency[:, None] * c
+
+
+def _filtered_sorted(x: jax.Array, rows: SamplerRows) -> tuple[jax.Array, jax.Array]:
+    """Rules 4-7 in descending order: (kept logits / T with -inf elsewhere [B, V], token id [B, V])."""
+    B, V = x.shape
+    ids = jnp.broadcast_to(jnp.arange(V, dtype=jnp.int32), (B, V))
+    # Stable ascending sort of -x: descending logits, equal logits by ascending token id.
+    neg, perm = jax.lax.sort((-x, ids), dimension=1, num_keys=1, is_stable=True)
+    s = -neg  # [B, V] descending
+    rank = ids  # 0..V-1 in every row
+    top = s[:, :1]  # [B, 1]
+    k = rows.top_k[:, None]
+    keep = (k <= 0) | (rank < k)
+    e = jnp.where(keep, jnp.exp(s - top), 0.0)
+    p = e / jnp.sum(e, axis=1, keepdims=True)
+    before = jnp.cumsum(p, axis=1) - p  # mass strictly above each rank
+    top_p = rows.top_p[:, None]
+    # p >= 1 is off outright: the f32 running sum can reach 1 before the last tokens.
+    keep &= (top_p >= 1.0) | (before < top_p) | (rank == 0)
+    log_min_p = jnp.log(rows.min_p)[:, None]  # -inf when min_p == 0: keeps all
+    keep &= (s - top >= log_min_p) | (rank == 0)
+    t = jnp.where(rows.temperature > 0, rows.temperature, 1.0)[:, None]
+    return jnp.where(keep, s / t, -jnp.inf), perm
+
+
+def _row_keys(rows: SamplerRows) -> jax.Array:
+    def one(seed_words, step):
+        return jax.random.fold_in(jax.random.wrap_key_data(seed_words, impl="threefry2x32"), step)
+
+    return jax.vmap(one)(rows.seed, rows.step)
+
+
+def sample_tokens(logits: jax.Array, rows: SamplerRows) -> jax.Array:
+    """The chosen token of each row. logits [B, V] → [B] i32."""
+    x = processed_logits(logits, rows)
+    greedy = jnp.argmax(x, axis=1).astype(jnp.int32)
+
+    def draw(_):
+        z, perm = _filtered_sorted(x, rows)
+        g = jax.vmap(lambda key: jax.random.gumbel(key, (x.shape[1],), jnp.float32))(_row_keys(rows))
+        pick = jnp.argmax(z + g, axis=1)  # [B] rank in descending order
+        drawn = jnp.take_along_axis(perm, pick[:, None], axis=1)[:, 0]
+        return jnp.where(rows.temperature > 0, drawn, greedy)
+
+    # An all-greedy batch skips the sort and the noise (most of the sampler's cost).
+    return jax.lax.cond(jnp.all(rows.temperature <= 0), lambda _: greedy, draw, None)
+
+
+def sample(logits: jax.Array, rows: SamplerRows, n_top: int = MAX_N_PROBS) -> SampleOut:
+    """Sample one token per row and report log-probabilities.
+
+    Args:
+      logits: [B, V] model logits of the position to sample.
+      rows: the rows' settings and token statistics, B rows.
+      n_top: static width of the top-n report (0 = none).
+    Returns:
+      SampleOut with token [B], its raw logprob [B], top_ids / top_logprobs [B, n_top].
+    """
+    token = sample_tokens(logits, rows)
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=1)  # [B, V]
+    chosen = jnp.take_along_axis(lp, token[:, None], axis=1)[:, 0]
+    if n_top > 0:
+        top_lp, top_ids = jax.lax.top_k(lp, n_top)
+    else:
+        top_lp = jnp.zeros((lp.shape[0], 0), jnp.float32)
+        top_ids = jnp.zeros((lp.shape[0], 0), jnp.int32)
+    return SampleOut(token, chosen, top_ids.astype(jnp.int32), top_lp)
+
+
+def advance(rows: SamplerRows, token: jax.Array, active: jax.Array) -> SamplerRows:
+    """Record each active row's new token: counts[b, token_b] += 1, step_b += 1.
+
+    Args:
+      rows: N >= B rows (the engine's whole sampler state); rows [B, N) are untouched.
+      token: [B] i32 tokens of rows [0, B).
+      active: [B] bool, rows that really generated (padding rows are left alone).
+    """
+    B = token.shape[0]
+    inc = active.astype(jnp.int32)
+    counts = rows.counts.at[jnp.arange(B), token].add(inc)
+    step = rows.step.at[:B].add(inc)
+    return rows._replace(counts=counts, step=step)
+
+
+def sampling_probs(logits: jax.Array, rows: SamplerRows) -> jax.Array:
+    """The distribution :func:`sample_tokens` draws from, in vocabulary order: [B, V] f32.
+
+    Greedy rows are one-hot. Used by the tests; the step itself never forms it.
+    """
+    x = processed_logits(logits, rows)
+    z, perm = _filtered_sorted(x, rows)
+    p_sorted = jax.nn.softmax(z, axis=1)
+    B = x.shape[0]
+    probs = jnp.zeros_like(p_sorted).at[jnp.arange(B)[:, None], perm].set(p_sorted)
+    onehot = jax.nn.one_hot(jnp.argmax(x, axis=1), x.shape[1], dtype=jnp.float32)
+    return jnp.where((rows.temperature > 0)[:, None], probs, onehot)
