@@ -49,7 +49,8 @@ class RopeConfig:
 def _corr_dim(n_dims: int, n_ctx_orig: int, n_rot: float, base: float) -> np.float32:
     # The dim whose wavelength makes n_rot full turns over n_ctx_orig positions (float32 math).
     f = np.float32
-    num = f(n_dims) * np.log(f(n_ctx_orig) / (f(n_rot) * f(2.0) * f(math.pi)))
+    with np.errstate(divide="ignore"):  # n_ctx_orig = 0 (no YaRN) gives -inf, as in ggml
+        num = f(n_dims) * np.log(f(n_ctx_orig) / (f(n_rot) * f(2.0) * f(math.pi)))
     return f(num / (f(2.0) * np.log(f(base))))
 
 
