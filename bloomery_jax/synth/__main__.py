@@ -12,6 +12,8 @@ from ..errors import BloomeryError
 from .core import PLUGINS, synthesize
 from .policy import QTYPES
 
+MEASURE_UP_TO_BYTES = 256 << 20
+
 # CLI flag -> plug-in hyper-parameter
 _HPARAM_FLAGS = {
     "layers": "n_layers", "hidden": "d_model", "heads": "n_heads", "kv_heads": "n_kv_heads",
@@ -34,6 +36,11 @@ def _parser() -> argparse.ArgumentParser:
     fast.add_argument("--fast", dest="fast", action="store_true", default=None,
                       help="draw expert tensors as random quant blocks (default: above 1 GiB)")
     fast.add_argument("--no-fast", dest="fast", action="store_false")
+    measure = p.add_mutually_exclusive_group()
+    measure.add_argument("--measure", dest="measure", action="store_true", default=None,
+                         help="run our forward pass for the mean max next-token probability "
+                              f"(default: for files up to {MEASURE_UP_TO_BYTES >> 20} MiB)")
+    measure.add_argument("--no-measure", dest="measure", action="store_false")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     return p
 
@@ -44,6 +51,10 @@ def main(argv=None) -> int:
     try:
         report = synthesize(args.out, arch=args.arch, qtype=args.qtype, seed=args.seed,
                             route_skew=args.route_skew, twin_path=args.twin, fast=args.fast, **hparams)
+        if args.measure or (args.measure is None and report.bytes <= MEASURE_UP_TO_BYTES):
+            from .measure import mean_max_prob
+
+            report.mean_max_prob = mean_max_prob(args.out, seed=args.seed)
     except (BloomeryError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -63,7 +63,7 @@ def encode(x: np.ndarray, qtype: T, k_quantizer=None) -> np.ndarray:
         return gguf_quants.quantize(x, qtype)
     if k_quantizer is None:
         raise ConfigError(f"no float quantizer for {qtype.name} yet")
-    return np.asarray(k_quantizer(x, qtype.name))
+    return np.asarray(k_quantizer(x, qtype))
 
 
 def stored_to_f32(stored: np.ndarray, qtype: T) -> np.ndarray:
@@ -124,7 +124,7 @@ def _metadata(plugin, cfg, qtype, seed, skew, file_type) -> dict:
 
 def synthesize(out_path, *, arch: str = "qwen3moe", qtype: str = "F32", seed: int = 0,
                route_skew: float = 0.0, twin_path=None, fast: bool | None = None,
-               **hparams) -> SynthReport:
+               measure: bool = False, **hparams) -> SynthReport:
     """Write a random model of ``arch`` to ``out_path``.
 
     Args:
@@ -135,6 +135,8 @@ def synthesize(out_path, *, arch: str = "qwen3moe", qtype: str = "F32", seed: in
       route_skew: A >= 0; hot experts' router logits rise by ~A router stds (0: uniform).
       twin_path: also write the F32 twin (every tensor's exact dequantized values) there.
       fast: draw expert tensors as random quant blocks; None = when the file is over 1 GiB.
+      measure: run our forward pass on the file to fill ``report.mean_max_prob`` (costs a
+        model load and a JAX forward: seconds for tiny files on a CPU).
       **hparams: the plug-in's hyper-parameters (n_layers, d_model, n_heads, n_kv_heads,
         head_dim, n_experts, n_experts_used, expert_ff, n_vocab); missing ones take defaults.
     Returns:
@@ -188,9 +190,12 @@ def synthesize(out_path, *, arch: str = "qwen3moe", qtype: str = "F32", seed: in
                     streams[1].write(stored_to_f32(stored, p.qtype))
             for st in streams:
                 st.end_tensor()
-    finally:
+    except BaseException:
         for st in streams:
-            st.close()
+            st.abort()
+        raise
+    for st in streams:
+        st.close()
 
     report.seconds = time.perf_counter() - t0
     report.bytes = os.path.getsize(out_path)
@@ -205,4 +210,11 @@ def synthesize(out_path, *, arch: str = "qwen3moe", qtype: str = "F32", seed: in
         report.twin_path, report.twin_bytes = os.fspath(twin_path), os.path.getsize(twin_path)
     if skew is not None:
         report.hot_experts = [list(h) for h in skew.hot]
+    if measure:
+        from .measure import mean_max_prob
+
+        try:
+            report.mean_max_prob = mean_max_prob(out_path, seed=seed)
+        except Exception as e:  # the file is written; say loudly why it could not be measured
+            report.notes.append(f"mean max-prob not measured: {type(e).__name__}: {e}")
     return report

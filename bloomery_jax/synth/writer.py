@@ -114,3 +114,9 @@ class GGUFStream:
         if self._fout is not None and self._cur != len(self._infos):
             raise RuntimeError(f"{self.path}: closed after {self._cur} of {len(self._infos)} tensors")
         self._w.close()
+
+    def abort(self) -> None:
+        """Close and delete a file whose writing failed (a half-written GGUF is worse than none)."""
+        self._w.close()
+        if os.path.exists(self.path):
+            os.remove(self.path)

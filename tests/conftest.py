@@ -1,0 +1,54 @@
+"""Shared fixtures: synthetic GGUF models, written once per test session and cached.
+
+    def test_x(synth_model):
+        path, report = synth_model(qtype="Q4_K_M", twin=True, n_layers=3)
+        twin = report.twin_path
+
+``synth_model(**kwargs)`` takes ``bloomery_jax.synth.synthesize``'s keyword arguments
+(``twin=True`` instead of a twin path) and returns ``(path, SynthReport)``; equal arguments
+give the same cached file. ``tiny_model`` is the default F32 file's path. ``llama_model`` opens
+a file in llama.cpp (``logits_all``, F32 KV cache), skipping when llama-cpp-python is absent.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+
+from bloomery_jax.synth import synthesize
+
+
+@pytest.fixture(scope="session")
+def synth_model(tmp_path_factory):
+    root = tmp_path_factory.mktemp("synth")
+    cache: dict[str, tuple] = {}
+
+    def make(*, twin: bool = False, **kwargs):
+        key = json.dumps({"twin": twin, **kwargs}, sort_keys=True, default=str)
+        if key not in cache:
+            stem = hashlib.sha1(key.encode()).hexdigest()[:12]
+            twin_path = root / f"{stem}.twin.gguf" if twin else None
+            report = synthesize(root / f"{stem}.gguf", twin_path=twin_path, **kwargs)
+            cache[key] = (report.path, report)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_model(synth_model) -> str:
+    return synth_model()[0]
+
+
+@pytest.fixture(scope="session")
+def llama_model():
+    llama_cpp = pytest.importorskip("llama_cpp")
+
+    def open_model(path, n_ctx: int = 64):
+        # F32 KV cache: llama.cpp's default F16 cache would blur tight comparisons.
+        return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, logits_all=True, verbose=False,
+                               type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32)
+
+    return open_model
