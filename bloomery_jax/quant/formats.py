@@ -13,6 +13,14 @@ SUPPORTED_TYPES = frozenset({
 })
 
 
+# Byte offsets of the f16 scale / min fields inside one block (ggml's block structs).
+F16_FIELDS = {
+    T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,),
+    T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
+    T.IQ4_NL: (0,), T.IQ4_XS: (0,),
+}
+
+
 def block_geometry(qtype) -> tuple[int, int]:
     """(elements per block, bytes per block) of a ggml type."""
     return GGML_QUANT_SIZES[T(qtype)]
