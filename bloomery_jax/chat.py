@@ -37,6 +37,59 @@ MAX_RANGE = 100_000
 _RANGE_CHECK_EVERY = 256
 
 
+# A ChatML template in the shape of Qwen's: system prompt, tool list, tool calls and tool
+# results, optional generation prompt.
+CHATML_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages and messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call these functions. Their signatures are inside <tools></tools>:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nTo call one, answer with a JSON object {\"name\": ..., \"arguments\": ...} "
+    "inside <tool_call></tool_call>.<|im_end|>\\n' }}"
+    "{%- elif messages and messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'system' and loop.first %}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.first or loop.previtem.role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or loop.nextitem.role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message.role + '\\n' }}"
+    "{%- if message.content %}{{- message.content }}{%- endif %}"
+    "{%- for call in message.tool_calls or [] %}"
+    "{%- set fn = call.function if call.function is defined else call %}"
+    "{%- if message.content or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + fn.name + '\", \"arguments\": ' }}"
+    "{%- if fn.arguments is string %}{{- fn.arguments }}{%- else %}{{- fn.arguments | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+# Gemma's turn format (the embedded default model's file carries no template): BOS, the system
+# prompt folded into the first user turn, "model" for the assistant, roles must alternate.
+GEMMA_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- if messages and messages[0].role == 'system' %}"
+    "{%- set prefix = messages[0].content | trim + '\n\n' %}{%- set turns = messages[1:] %}"
+    "{%- else %}{%- set prefix = '' %}{%- set turns = messages %}{%- endif %}"
+    "{%- for message in turns %}"
+    "{%- if (message.role == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{- raise_exception('conversation roles must alternate user/assistant/user/...') }}"
+    "{%- endif %}"
+    "{{- '<start_of_turn>' + ('model' if message.role == 'assistant' else message.role) + '\n' }}"
+    "{{- (prefix if loop.first else '') + message.content | trim + '<end_of_turn>\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<start_of_turn>model\n' }}{%- endif %}"
+)
+
+
 class ChatTemplateError(BloomeryError, ValueError):
     """A chat template that does not compile, raises, breaks the sandbox or exceeds a limit."""
 

@@ -10,6 +10,8 @@ Token layout (as in Qwen's GGUFs): the 256 byte tokens and the trained merges fi
 control tokens ``<|endoftext|>`` (BOS and padding), ``<|im_start|>``, ``<|im_end|>`` (EOS), then
 ``[PAD<i>]`` tokens of type UNUSED when the corpus yields fewer merges than asked for.
 
+:func:`sentencepiece_vocab` gives a small Gemma-style (``llama`` model) vocabulary the same way.
+
 Values are plain Python; :data:`VALUE_TYPES` names the GGUF type of each key and
 :func:`add_to_writer` writes the entries with the matching ``gguf.GGUFWriter`` calls.
 """
@@ -19,11 +21,12 @@ from __future__ import annotations
 import json
 import random
 
+from ..chat import CHATML_TEMPLATE, GEMMA_TEMPLATE
 from ..errors import ConfigError
 from ..tokenizer.pretok import SUPPORTED_PRE, pre_tokenizer_rule
 
 # llama.cpp token types (gguf.TokenType).
-NORMAL, CONTROL, UNUSED = 1, 3, 5
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 MIN_VOCAB = 300
@@ -35,48 +38,16 @@ VALUE_TYPES: dict[str, object] = {
     "tokenizer.ggml.tokens": ("array", "string"),
     "tokenizer.ggml.token_type": ("array", "int32"),
     "tokenizer.ggml.merges": ("array", "string"),
+    "tokenizer.ggml.scores": ("array", "float32"),
     "tokenizer.ggml.bos_token_id": "uint32",
     "tokenizer.ggml.eos_token_id": "uint32",
     "tokenizer.ggml.padding_token_id": "uint32",
+    "tokenizer.ggml.unknown_token_id": "uint32",
     "tokenizer.ggml.add_bos_token": "bool",
     "tokenizer.ggml.add_eos_token": "bool",
+    "tokenizer.ggml.add_space_prefix": "bool",
     "tokenizer.chat_template": "string",
 }
-
-# A ChatML template in the shape of Qwen's: system prompt, tool list, tool calls and tool
-# results, optional generation prompt.
-CHATML_TEMPLATE = (
-    "{%- if tools %}"
-    "{{- '<|im_start|>system\\n' }}"
-    "{%- if messages and messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
-    "{{- '# Tools\\n\\nYou may call these functions. Their signatures are inside <tools></tools>:\\n<tools>' }}"
-    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
-    "{{- '\\n</tools>\\n\\nTo call one, answer with a JSON object {\"name\": ..., \"arguments\": ...} "
-    "inside <tool_call></tool_call>.<|im_end|>\\n' }}"
-    "{%- elif messages and messages[0].role == 'system' %}"
-    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- for message in messages %}"
-    "{%- if message.role == 'system' and loop.first %}"
-    "{%- elif message.role == 'tool' %}"
-    "{%- if loop.first or loop.previtem.role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
-    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
-    "{%- if loop.last or loop.nextitem.role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
-    "{%- else %}"
-    "{{- '<|im_start|>' + message.role + '\\n' }}"
-    "{%- if message.content %}{{- message.content }}{%- endif %}"
-    "{%- for call in message.tool_calls or [] %}"
-    "{%- set fn = call.function if call.function is defined else call %}"
-    "{%- if message.content or not loop.first %}{{- '\\n' }}{%- endif %}"
-    "{{- '<tool_call>\\n{\"name\": \"' + fn.name + '\", \"arguments\": ' }}"
-    "{%- if fn.arguments is string %}{{- fn.arguments }}{%- else %}{{- fn.arguments | tojson }}{%- endif %}"
-    "{{- '}\\n</tool_call>' }}"
-    "{%- endfor %}"
-    "{{- '<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
 
 # Built-in training text: a few lines per script, so merges cover each of them.
 _CORPUS = """\
@@ -186,6 +157,66 @@ def byte_bpe_vocab(n_vocab: int, pre: str = "qwen2", seed: int = 0) -> dict[str,
     }
 
 
+# SentencePiece layout (as in Gemma's GGUF): specials, byte tokens, a few user-defined tokens
+# that are split out of any text, then the trained pieces.
+_SPM_HEAD = [("<pad>", CONTROL), ("<eos>", CONTROL), ("<bos>", CONTROL), ("<unk>", UNKNOWN),
+             ("<start_of_turn>", CONTROL), ("<end_of_turn>", CONTROL), ("\n", USER_DEFINED),
+             ("  ", USER_DEFINED), ("<b>", USER_DEFINED)]
+
+
+def sentencepiece_vocab(n_vocab: int, seed: int = 0, add_space_prefix: bool = False) -> dict[str, object]:
+    """GGUF ``tokenizer.*`` metadata of a trained SentencePiece-style (``llama`` model) vocabulary.
+
+    Pieces are BPE-trained on the built-in corpus with spaces written as U+2581; a piece's
+    score is minus its training rank, so earlier merges win, as in SentencePiece BPE models.
+    Padding to n_vocab uses ``<unusedN>`` control tokens, as Gemma does.
+
+    Args:
+      n_vocab: exact number of tokens, at least MIN_VOCAB.
+      seed: as in byte_bpe_vocab.
+      add_space_prefix: the ``tokenizer.ggml.add_space_prefix`` flag.
+    Returns:
+      key -> plain Python value; types in VALUE_TYPES.
+    """
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+
+    if n_vocab < MIN_VOCAB:
+        raise ConfigError(f"sentencepiece_vocab: n_vocab {n_vocab} is below the minimum {MIN_VOCAB}")
+    head = _SPM_HEAD + [(f"<0x{b:02X}>", BYTE) for b in range(256)]
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="never")
+    lines = [line.replace("\n", " ") for line in _training_lines(seed)]
+    trainer = trainers.BpeTrainer(vocab_size=n_vocab - len(head), min_frequency=2, show_progress=False)
+    tok.train_from_iterator(lines, trainer=trainer)
+    vocab = json.loads(tok.to_str())["model"]["vocab"]
+    pieces = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+
+    tokens = [t for t, _ in head] + pieces
+    types = [k for _, k in head] + [NORMAL] * len(pieces)
+    scores = [-1000.0 if k in (CONTROL, USER_DEFINED, UNKNOWN) else 0.0 for _, k in head]
+    scores += [-float(rank) for rank in range(len(pieces))]
+    while len(tokens) < n_vocab:
+        tokens.append(f"<unused{len(tokens) - len(head) - len(pieces)}>")
+        types.append(CONTROL)
+        scores.append(-1000.0)
+    return {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.pre": "default",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.scores": scores,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.bos_token_id": 2,
+        "tokenizer.ggml.eos_token_id": 1,
+        "tokenizer.ggml.unknown_token_id": 3,
+        "tokenizer.ggml.padding_token_id": 0,
+        "tokenizer.ggml.add_bos_token": True,
+        "tokenizer.ggml.add_eos_token": False,
+        "tokenizer.ggml.add_space_prefix": add_space_prefix,
+        "tokenizer.chat_template": GEMMA_TEMPLATE,
+    }
+
+
 def add_to_writer(writer, entries: dict[str, object]) -> None:
     """Write ``entries`` (from :func:`byte_bpe_vocab`) into a ``gguf.GGUFWriter``.
 
@@ -207,5 +238,7 @@ def add_to_writer(writer, entries: dict[str, object]) -> None:
             writer.add_array(key, value)
         elif kind == ("array", "int32"):
             writer.add_key_value(key, value, gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.INT32)
+        elif kind == ("array", "float32"):
+            writer.add_key_value(key, value, gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.FLOAT32)
         else:
             raise ConfigError(f"add_to_writer: no GGUF type known for key {key!r}")

@@ -17,6 +17,7 @@ own rule (longest first, see core.py), which ``tokenizers``' added-token matcher
 
 from __future__ import annotations
 
+import numpy as np
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from ..errors import GGUFError
@@ -67,15 +68,12 @@ def spm_merges(vocab: Vocab, ids: dict[str, int]) -> list[tuple[str, str]]:
     Returns:
       (left, right) pairs, ranked by the score of left + right (higher first), then by its id.
     """
-    scores = vocab.scores.tolist()
-    ranked = []  # (-score, id, left, right)
-    for text, tid in ids.items():
-        for cut in range(1, len(text)):
-            left, right = text[:cut], text[cut:]
-            if left in ids and right in ids:
-                ranked.append((-scores[tid], tid, left, right))
-    ranked.sort()
-    return [(left, right) for _, _, left, right in ranked]
+    has = ids.__contains__
+    found = [(tid, text[:k], text[k:]) for text, tid in ids.items()
+             for k in range(1, len(text)) if has(text[:k]) and has(text[k:])]  # ~0.5M for Gemma
+    tids = np.fromiter((f[0] for f in found), np.int64, len(found))
+    order = np.lexsort((tids, -vocab.scores[tids]))  # score descending, then id
+    return [found[k][1:] for k in order.tolist()]
 
 
 def build_spm(vocab: Vocab, ids: dict[str, int]) -> Tokenizer:

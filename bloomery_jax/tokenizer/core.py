@@ -133,12 +133,14 @@ class Tokenizer:
     def decode_bytes(self, ids, special: bool = False) -> bytes:
         """The bytes of a sequence of ids (may end inside a UTF-8 character)."""
         table = self._piece_tables()[1 if special else 0]
-        n = len(table)
+        ids = list(ids)
         try:
+            if ids and (min(ids) < 0 or max(ids) >= len(table)):
+                raise IndexError
             return b"".join(table[i] for i in ids)
         except (IndexError, TypeError):
-            bad = next(i for i in ids if not (isinstance(i, int) and 0 <= i < n))
-            raise ConfigError(f"token id {bad!r} is outside the vocabulary of {n}") from None
+            bad = next(i for i in ids if not (hasattr(i, "__index__") and 0 <= i < len(table)))
+            raise ConfigError(f"token id {bad!r} is outside the vocabulary of {len(table)}") from None
 
     def decode(self, ids, special: bool = False) -> str:
         """Text of a sequence of ids; invalid UTF-8 becomes U+FFFD.
