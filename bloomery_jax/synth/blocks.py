@@ -38,11 +38,6 @@ def _moments(n_levels: int) -> tuple[float, float]:
     return (n_levels - 1) / 2, (n_levels - 1) * (2 * n_levels - 1) / 6
 
 
-def _f16_bytes(x: np.ndarray) -> np.ndarray:
-    """f32 [n] -> uint8 [n, 2] (little-endian f16)."""
-    return x.astype("<f2").view(np.uint8).reshape(-1, 2)
-
-
 def _random_bytes(rng: np.random.Generator, n: int, width: int) -> np.ndarray:
     """Uniform random bytes, uint8 [n, width]; raw 64-bit draws are ~5x faster than integers()."""
     count = n * width
@@ -51,7 +46,12 @@ def _random_bytes(rng: np.random.Generator, n: int, width: int) -> np.ndarray:
 
 
 def _block_factor(rng: np.random.Generator, n: int) -> np.ndarray:
-    return rng.uniform(_U_LO, _U_HI, n) / np.sqrt(_EU2)
+    return (rng.uniform(_U_LO, _U_HI, n) / np.sqrt(_EU2)).astype(np.float32)
+
+
+def _put_f16(blocks: np.ndarray, at: int, x: np.ndarray) -> None:
+    """Store f32 [n] as little-endian f16 into bytes at..at+2 of each block."""
+    blocks[:, at:at + 2] = x.astype("<f2").view(np.uint8).reshape(-1, 2)
 
 
 def _pack_k_scales(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
@@ -63,43 +63,52 @@ def _pack_k_scales(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
     return out
 
 
-def _q8_0(rng, n, std):
+# Every maker gets blocks already full of random bytes (the quant bits stay as drawn) and
+# overwrites the scale fields; the scales themselves are drawn from the random bytes they
+# replace, which saves separate draws.
+
+_JITTER = np.array([-3, -2, -1, 0, 0, 1, 2, 3], np.int16)  # symmetric: mean 0
+
+
+def _q8_0(rng, blocks, std):
     eq2 = (256**2 - 1) / 12 + 0.25  # int8 q uniform on -128..127: Var + E[q]^2, E[q] = -0.5
-    d = std * _block_factor(rng, n) / np.sqrt(eq2)
-    return [_f16_bytes(d), _random_bytes(rng, n, 32)]
+    _put_f16(blocks, 0, std * _block_factor(rng, len(blocks)) / np.float32(np.sqrt(eq2)))
 
 
-def _k_scales(rng, n, std, n_levels):
-    """Shared part of Q4_K/Q5_K: d, dmin and the packed sub-block scales/mins."""
+def _k_scales(rng, blocks, std, n_levels):
+    """Q4_K/Q5_K: d, dmin and the packed sub-block scales/mins (bytes 0-15)."""
     eq, eq2 = _moments(n_levels)
-    sc = rng.integers(32, 64, (n, 8)).astype(np.int64)
-    m = np.clip(sc + rng.integers(-3, 4, (n, 8)), 0, 63)
-    # dmin = eq*d centres each sub-block when m_j = sc_j; the +-3 jitter leaves a small
-    # random offset per sub-block whose mean over blocks is zero. Per unit d:
+    r = blocks[:, 4:12].astype(np.int16)  # [n, 8] random bytes
+    sc = 32 + (r & 31)  # 32..63
+    m = np.clip(sc + _JITTER[r >> 5], 0, 63)
+    # dmin = eq*d centres each sub-block when m_j = sc_j; the jitter leaves a small random
+    # offset per sub-block whose mean is zero. Per unit d:
     # E[x^2]/d^2 = sc^2 E[q^2] - 2 eq sc m E[q] + eq^2 m^2.
-    c = (sc**2 * eq2 - 2 * eq * sc * m * eq + eq**2 * m**2).mean(axis=1)
-    d = (std * _block_factor(rng, n) / np.sqrt(c)).astype(np.float16).astype(np.float32)
-    dmin = d * eq
-    return [_f16_bytes(d), _f16_bytes(dmin), _pack_k_scales(sc.astype(np.uint8), m.astype(np.uint8))]
+    scf, mf = sc.astype(np.float32), m.astype(np.float32)
+    c = (scf * scf * np.float32(eq2) - np.float32(2 * eq * eq) * scf * mf + np.float32(eq * eq) * mf * mf).mean(axis=1)
+    d = (std * _block_factor(rng, len(blocks)) / np.sqrt(c)).astype(np.float16).astype(np.float32)
+    _put_f16(blocks, 0, d)
+    _put_f16(blocks, 2, d * np.float32(eq))
+    blocks[:, 4:16] = _pack_k_scales(sc.astype(np.uint8), m.astype(np.uint8))
 
 
-def _q4_k(rng, n, std):
-    return _k_scales(rng, n, std, 16) + [_random_bytes(rng, n, 128)]
+def _q4_k(rng, blocks, std):
+    _k_scales(rng, blocks, std, 16)
 
 
-def _q5_k(rng, n, std):
-    head = _k_scales(rng, n, std, 32)
-    return head + [_random_bytes(rng, n, 32 + 128)]  # qh[32] | qs[128]
+def _q5_k(rng, blocks, std):
+    _k_scales(rng, blocks, std, 32)
 
 
-def _q6_k(rng, n, std):
+def _q6_k(rng, blocks, std):
     _, eq2 = _moments(64)
-    eq2 = eq2 - 2 * 32 * 31.5 + 32**2  # E[(q-32)^2]
-    mag = rng.integers(64, 128, (n, 16))
-    s = mag * rng.choice(np.array([-1, 1]), (n, 16))
-    d = std * _block_factor(rng, n) / np.sqrt((mag.astype(np.float64) ** 2).mean(axis=1) * eq2)
-    return [_random_bytes(rng, n, 128 + 64),  # ql[128] | qh[64]
-            s.astype(np.int8).view(np.uint8), _f16_bytes(d)]
+    eq2 = eq2 - 2 * 32 * 31.5 + 32**2  # E[(q-32)^2] for q uniform on 0..63
+    r = blocks[:, 192:208]  # [n, 16] random bytes -> scales of magnitude 64..127, random sign
+    mag = 64 + (r & 63).astype(np.int16)
+    s = np.where(r & 64, -mag, mag)
+    ms = (mag.astype(np.float32) ** 2).mean(axis=1)
+    blocks[:, 192:208] = s.astype(np.int8).view(np.uint8)
+    _put_f16(blocks, 208, std * _block_factor(rng, len(blocks)) / np.sqrt(ms * np.float32(eq2)))
 
 
 _MAKERS = {T.Q8_0: _q8_0, T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k}
@@ -121,7 +130,6 @@ def random_blocks(qtype, shape, std: float, rng: np.random.Generator) -> np.ndar
     if shape[-1] % elems:
         raise ValueError(f"row length {shape[-1]} is not a multiple of the {qtype.name} block size {elems}")
     n = int(np.prod(shape)) // elems
-    parts = _MAKERS[qtype](rng, n, float(std))
-    blocks = np.concatenate(parts, axis=1)  # [n_blocks, block_bytes]
-    assert blocks.shape == (n, nbytes), (blocks.shape, nbytes)
+    blocks = _random_bytes(rng, n, nbytes)  # [n_blocks, block_bytes]
+    _MAKERS[qtype](rng, blocks, np.float32(std))
     return blocks.reshape(*shape[:-1], shape[-1] // elems * nbytes)

@@ -64,7 +64,7 @@ class RouteSkew:
         return self.strength > 0
 
 
-def parts(spec: TensorSpec, row_chunk: int = 16384) -> list[tuple[int, tuple[int, ...]]]:
+def parts(spec: TensorSpec, row_chunk: int = 4096) -> list[tuple[int, tuple[int, ...]]]:
     """How a tensor is drawn and written: (part index, part shape) in file order.
 
     3-D tensors go one expert slice at a time, big 2-D tensors (embeddings, output) in fixed
