@@ -1,0 +1,210 @@
+"""Quantized GEMV for decode: ``y[B, N] = x[B, K] @ W[N, K]^T`` on plane-packed GGUF weights.
+
+One Pallas kernel (Triton lowering) per format: Q8_0, Q4_K, Q5_K, Q6_K in the layout of
+``quant.repack`` (a chunk of a row is W int32 words; plane p of the words is W consecutive
+elements sharing one scale). A program owns ``block_n`` rows and walks K chunk by chunk,
+``chunks_per_step`` chunks per loop step; each plane is dequantized into a ``[block_n, W]``
+float32 tile and multiply-added into one ``[block_n, W]`` accumulator per row of x, summed
+across W at the end. B (1-8 rows of x) is unrolled, so the weight is read once for all rows.
+
+Exactness: every weight the kernel forms equals ``dequantize`` of the file bit for bit (the
+f16 scales widen exactly, ``d * sc`` and its product with the quant are exact in f32, and the
+min is subtracted with one rounding, as in ggml). Only the sum order differs from a plain
+matmul: each accumulator element adds K / W products in sequence, then the W columns are
+summed, so |y - exact| <= (K / W + W) * 2^-24 * sum_k |x_k| |w_nk| (tests use this bound).
+
+The reference twin is ``x @ dequantize(W).T`` in float32 (``ops.qmatmul``).
+Launch parameters are data (``qgemv_tuned.TUNED``), measured by ``scripts/kernel_bench.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from gguf import GGMLQuantizationType as T
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from ..quant.repack import MAGIC, PackedWeight, k4_scale_min
+from .qgemv_tuned import DEFAULTS, TUNED
+
+F32 = jnp.float32
+TWO23 = 8388608.0  # 2^23: bitcast(MAGIC | q) - TWO23 == q exactly, with no int->float convert
+
+
+@dataclasses.dataclass(frozen=True)
+class GemvConfig:
+    """Launch parameters: rows per program, chunks per loop step, Triton warps and stages."""
+
+    block_n: int = 32
+    chunks_per_step: int = 2
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class _Format:
+    chunk: int  # elements of a row per chunk
+    width: int  # columns W of a plane tile (= accumulator width)
+    body: object  # (c, x_ref, refs, accs, nb) -> accs: one chunk c into the accumulators
+
+
+def _as_f32(q: jax.Array, offset: float = TWO23) -> jax.Array:
+    """int32 q in [0, 2^23) -> float32 (q + TWO23 - offset), exact (full-rate ALU ops only)."""
+    return jax.lax.bitcast_convert_type(q | MAGIC, F32) - offset
+
+
+def _fma_rows(accs, w, x_ref, col, width):
+    """accs[b] += w * x[b, col:col+width] for every row b of x; w float32 [BN, W]."""
+    out = []
+    for b, acc in enumerate(accs):
+        xv = x_ref[b, pl.ds(col, width)].astype(F32)  # [W]
+        out.append(acc + w * xv[None, :])
+    return tuple(out)
+
+
+def _q8_0_body(c, x_ref, refs, accs):
+    qs_ref, d_ref = refs  # [BN, K/4] int32, [K/32, BN] f16
+    words = qs_ref[:, pl.ds(c * 32, 32)]  # [BN, 32]: byte p of word j = block 4c+p, element j
+    for p in range(4):
+        d = d_ref[c * 4 + p, :].astype(F32)  # [BN]
+        # XOR 0x80 maps the int8 byte to q + 128 in 0..255, then subtract it back in float
+        q = _as_f32(((words >> (8 * p)) & 0xFF) ^ 0x80, TWO23 + 128.0)
+        accs = _fma_rows(accs, d[:, None] * q, x_ref, c * 128 + p * 32, 32)
+    return accs
+
+
+def _k4_body(c, x_ref, refs, accs, with_qh):
+    qs_ref, sc_ref, dm_ref, *qh_ref = refs  # [BN, K/8] i32, [G, 3, BN] i32, [G, 2, BN] f16, [BN, K/8] u8
+    words = qs_ref[:, pl.ds(c * 32, 32)]  # [BN, 32]: nibble p of word j = sub-block p, element j
+    if with_qh:
+        qh = qh_ref[0][:, pl.ds(c * 32, 32)].astype(jnp.int32)  # [BN, 32]: bit p = 5th bit
+    a, b, cc = sc_ref[c, 0, :], sc_ref[c, 1, :], sc_ref[c, 2, :]  # [BN] packed 6-bit fields
+    d, dmin = dm_ref[c, 0, :].astype(F32), dm_ref[c, 1, :].astype(F32)  # [BN]
+    for p in range(8):
+        sc, mn = k4_scale_min(a, b, cc, p)
+        dl, ml = d * sc.astype(F32), dmin * mn.astype(F32)  # [BN], exact products
+        q = (words >> (4 * p)) & 0xF
+        if with_qh:
+            q = q | (((qh >> p) & 1) << 4)
+        w = dl[:, None] * _as_f32(q) - ml[:, None]  # [BN, 32]
+        accs = _fma_rows(accs, w, x_ref, c * 256 + p * 32, 32)
+    return accs
+
+
+def _q6_k_body(c, x_ref, refs, accs):
+    qs_ref, qh_ref, sc_ref, d_ref = refs  # [BN, K/8] i32, [BN, K/16] i32, [G, 4, BN] i32, [G, BN] f16
+    hi = qh_ref[:, pl.ds(c * 16, 16)]  # [BN, 16]: bits 16h+2p.. = high 2 bits of (h, p, j)
+    scw = [sc_ref[c, i, :] for i in range(4)]  # [BN] words of four int8 scales
+    d = d_ref[c, :].astype(F32)  # [BN]
+    for h in range(2):
+        words = qs_ref[:, pl.ds(c * 32 + h * 16, 16)]  # [BN, 16]: nibble p = plane p
+        for p in range(8):
+            s = 8 * h + p  # sub-block
+            sc = (scw[s // 4] << (24 - 8 * (s % 4))) >> 24  # sign-extended int8 (arithmetic shift)
+            dl = d * sc.astype(F32)  # [BN]
+            q = ((words >> (4 * p)) & 0xF) | (((hi >> (16 * h + 2 * p)) & 3) << 4)
+            w = dl[:, None] * _as_f32(q, TWO23 + 32.0)  # quants are stored biased by 32
+            accs = _fma_rows(accs, w, x_ref, c * 256 + h * 128 + p * 16, 16)
+    return accs
+
+
+FORMATS = {
+    T.Q8_0: _Format(128, 32, _q8_0_body),
+    T.Q4_K: _Format(256, 32, functools.partial(_k4_body, with_qh=False)),
+    T.Q5_K: _Format(256, 32, functools.partial(_k4_body, with_qh=True)),
+    T.Q6_K: _Format(256, 16, _q6_k_body),
+}
+
+
+def _kernel(x_ref, *refs, fmt: _Format, nrows: int, steps: int, per_step: int):
+    *w_refs, o_ref = refs  # o_ref: [B, BN]
+    bn = o_ref.shape[1]
+    accs = tuple(jnp.zeros((bn, fmt.width), F32) for _ in range(nrows))
+
+    def step(i, accs):
+        for u in range(per_step):  # unrolled: the loads of all chunks of a step issue together
+            accs = fmt.body(i * per_step + u, x_ref, w_refs, accs)
+        return accs
+
+    accs = jax.lax.fori_loop(0, steps, step, accs)
+    for b in range(nrows):
+        o_ref[b, :] = jnp.sum(accs[b], axis=1)
+
+
+def _weight_operands(w: PackedWeight, bn: int):
+    """The packed arrays in kernel order with their BlockSpecs (a program owns rows i*bn..)."""
+    n = w.shape[0]
+    row_tile = lambda a: pl.BlockSpec((bn, a.shape[1]), lambda i: (i, 0))  # [N, cols]
+    rows_last = lambda a: pl.BlockSpec((*a.shape[:-1], bn), lambda i: (0,) * (a.ndim - 1) + (i,))
+    qtype = T(w.qtype)
+    if qtype == T.Q8_0:
+        ops = [(w.qs, row_tile), (w.d, rows_last)]
+    elif qtype in (T.Q4_K, T.Q5_K):
+        ops = [(w.qs, row_tile), (w.sc, rows_last), (w.d, rows_last)]
+        if qtype == T.Q5_K:
+            ops.append((w.qh, row_tile))
+    else:
+        ops = [(w.qs, row_tile), (w.qh, row_tile), (w.sc, rows_last), (w.d, rows_last)]
+    assert all(a.shape[-1 if spec is rows_last else 0] == n for a, spec in ops)
+    return [a for a, _ in ops], [spec(a) for a, spec in ops]
+
+
+def _largest_divisor(n: int, cap: int, pow2: bool) -> int:
+    for v in range(min(cap, n), 0, -1):
+        if n % v == 0 and (not pow2 or v & (v - 1) == 0):
+            return v
+    return 1
+
+
+def pick_config(qtype, n: int, k: int) -> GemvConfig:
+    """The tuned launch parameters for this weight shape, else the format's default."""
+    name = T(qtype).name
+    row = TUNED.get((name, n, k)) or DEFAULTS.get(name)
+    return GemvConfig(*row) if row else GemvConfig()
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def qgemv(x: jax.Array, w: PackedWeight, *, config: GemvConfig | None = None,
+          interpret: bool = False) -> jax.Array:
+    """``x @ W^T`` with float32 accumulation, W a 2-D plane-packed GGUF weight.
+
+    Args:
+      x: float ``[B, K]`` (B = 1..8) or ``[K]``; f32, bf16 or f16 (widened to f32 in-kernel).
+      w: PackedWeight ``[N, K]`` (``quant.repack``) of type Q8_0, Q4_K, Q5_K or Q6_K.
+      config: launch parameters; None picks ``pick_config``. ``block_n`` and
+        ``chunks_per_step`` are shrunk to the largest divisors of N and K / chunk.
+      interpret: run the kernel with the Pallas interpreter (CPU tests).
+    Returns:
+      float32 ``[B, N]`` (``[N]`` for 1-D x).
+    """
+    qtype = T(w.qtype)
+    if qtype not in FORMATS or len(w.shape) != 2:
+        raise ValueError(f"qgemv: needs a 2-D packed Q8_0/Q4_K/Q5_K/Q6_K weight, got {qtype.name} {w.shape}")
+    n, k = w.shape
+    squeeze = x.ndim == 1
+    x2 = x[None] if squeeze else x
+    if x2.ndim != 2 or x2.shape[1] != k or not 1 <= x2.shape[0] <= 8:
+        raise ValueError(f"qgemv: x must be [B<=8, {k}] or [{k}], got {x.shape}")
+    fmt = FORMATS[qtype]
+    cfg = config or pick_config(qtype, n, k)
+    bn = _largest_divisor(n, cfg.block_n, pow2=True)
+    chunks = k // fmt.chunk
+    per_step = _largest_divisor(chunks, cfg.chunks_per_step, pow2=False)
+    arrays, specs = _weight_operands(w, bn)
+    nrows = x2.shape[0]
+    kernel = functools.partial(_kernel, fmt=fmt, nrows=nrows, steps=chunks // per_step, per_step=per_step)
+    y = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((nrows, n), F32),
+        grid=(n // bn,),
+        in_specs=[pl.BlockSpec((nrows, k), lambda i: (0, 0)), *specs],
+        out_specs=pl.BlockSpec((nrows, bn), lambda i: (0, i)),
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        interpret=interpret,
+        name=f"qgemv_{qtype.name.lower()}",
+    )(x2, *arrays)
+    return y[0] if squeeze else y

@@ -1,0 +1,274 @@
+"""Load-time repacking of GGUF weight blocks into the plane layout the Pallas GEMV kernels read.
+
+Contract: ``repack(raw, qtype, shape)`` rearranges the bits of a Q8_0 / Q4_K / Q5_K / Q6_K
+tensor ``[..., N, K]`` (raw uint8 ``[..., N, row_bytes]``) without changing a single value:
+the integer quants, the sub-block scales and mins and the f16 super-scales are the file's, only
+moved, and every array together holds exactly the file's byte count.
+``dequantize_packed(pw)`` rebuilds the float32 values with ggml's arithmetic and is bit-exact
+with ``quant.dequantize`` on the original blocks (tests/test_repack.py checks it).
+
+The plane layout. A kernel works on a chunk of C elements of one row at a time (C = 256 for
+the K-quants, 128 for Q8_0). Inside a chunk, element ``p * W + j`` (plane p, column j) sits in
+bit field p of the 32-bit word j: the chunk's W words unpack with one shift and mask per plane
+into a ``[rows, W]`` tile whose W consecutive elements share one scale, so a kernel needs no
+reshape or gather, only broadcasts. Per-chunk scales are stored ``[..., chunks, fields, N]``
+(rows last) so a tile of rows reads them as one contiguous vector.
+
+  Q8_0 (W=32, 4 planes of 8 bits; plane p of chunk c is ggml block 4c + p):
+      qs int32 [..., N, K/4]        d f16 [..., K/32, N]
+  Q4_K (W=32, 8 planes of 4 bits; plane p is sub-block p):
+      qs int32 [..., N, K/8]        sc int32 [..., K/256, 3, N]  (the 12 packed 6-bit scale/min
+                                    bytes, little-endian)        dm f16 [..., K/256, 2, N] (d, dmin)
+  Q5_K: as Q4_K, plus qh uint8 [..., N, K/8]: bit p of byte j is the 5th bit of plane p,
+      column j (ggml's own qh bytes, unchanged).
+  Q6_K (each 128-element half is a chunk of W=16 columns and 8 planes of 16 = its sub-blocks):
+      qs int32 [..., N, K/8]        low 4 bits, words (s, half, j)
+      qh int32 [..., N, K/16]       high 2 bits of (half h, plane p, column j) at bit 16h + 2p of word (s, j)
+      sc int32 [..., K/256, 4, N]   the 16 int8 sub-block scales, little-endian
+      d  f16   [..., K/256, N]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from gguf import GGMLQuantizationType as T
+
+from .formats import block_geometry
+
+PACKABLE = (T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
+MAGIC = 0x4B000000  # f32 bits of 2^23: OR-ing an integer below 2^23 into it gives 2^23 + q exactly
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PackedWeight:
+    """A weight ``[..., N, K]`` in the plane layout (see the module docstring for each field).
+
+    ``qh`` and ``sc`` are None for formats that have no such field. ``qtype`` and ``shape``
+    (the logical shape) are static, so jit specializes on them.
+    """
+
+    qs: jax.Array
+    d: jax.Array
+    sc: jax.Array | None = None
+    qh: jax.Array | None = None
+    qtype: int = dataclasses.field(default=0, metadata=dict(static=True))
+    shape: tuple[int, ...] = dataclasses.field(default=(), metadata=dict(static=True))
+
+    @property
+    def nbytes(self) -> int:
+        leaves = jax.tree_util.tree_leaves(self)
+        return int(sum(a.size * a.dtype.itemsize for a in leaves))
+
+    @property
+    def type_name(self) -> str:
+        return T(self.qtype).name
+
+
+# ----------------------------------------------------------------------------------- NumPy side
+
+
+def _pack_planes(q: np.ndarray, bits: int) -> np.ndarray:
+    """OR plane p of ``q`` into bit field p: uint [..., P, W] (values < 2**bits) -> int32 [..., W]."""
+    planes = q.shape[-2]
+    assert planes * bits <= 32, (planes, bits)
+    shifts = (np.arange(planes, dtype=np.uint32) * bits)[:, None]  # [P, 1]
+    words = np.bitwise_or.reduce(q.astype(np.uint32) << shifts, axis=-2)
+    return words.view(np.int32)
+
+
+def _rows_last(a: np.ndarray, lead: int) -> np.ndarray:
+    """[*lead, N, chunks, *fields] -> [*lead, chunks, *fields, N]: a row tile reads one vector."""
+    return np.ascontiguousarray(np.moveaxis(a, lead, -1))
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """Little-endian f16 fields: uint8 [..., 2 * n] -> f16 [..., n]."""
+    return np.ascontiguousarray(b).view("<f2")
+
+
+def _u32(b: np.ndarray) -> np.ndarray:
+    """Little-endian 32-bit words: uint8 [..., 4 * n] -> int32 [..., n]."""
+    return np.ascontiguousarray(b).view("<i4")
+
+
+def _nibble_pairs(qs: np.ndarray, groups: int, width: int) -> np.ndarray:
+    """ggml's 4-bit runs: uint8 [..., groups * width] -> [..., 2 * groups, width].
+
+    Byte g * width + j holds element j of run 2g in its low nibble and of run 2g + 1 in its high one.
+    """
+    b = qs.reshape(*qs.shape[:-1], groups, 1, width)
+    return np.concatenate([b & 0x0F, b >> 4], axis=-2).reshape(*qs.shape[:-1], 2 * groups, width)
+
+
+def _blocks(raw: np.ndarray, qtype: T, shape: tuple[int, ...]) -> np.ndarray:
+    """Validated raw bytes as blocks: uint8 [..., N, row_bytes] -> [..., N, G, block_bytes]."""
+    elems, nbytes = block_geometry(qtype)
+    chunk = 128 if qtype == T.Q8_0 else 256
+    if len(shape) < 2:
+        raise ValueError(f"repack: {qtype.name} needs a matrix [..., N, K], got shape {shape}")
+    k = shape[-1]
+    if k % chunk:
+        raise ValueError(f"repack: {qtype.name} rows of {k} elements are not a multiple of {chunk} "
+                         f"(the GEMV kernels read {chunk}-element chunks)")
+    raw = np.asarray(raw)
+    want = (*shape[:-1], k // elems * nbytes)
+    if raw.dtype != np.uint8 or raw.size != int(np.prod(want, dtype=np.int64)):
+        raise ValueError(f"repack: {qtype.name} {shape} needs uint8 bytes {want}, got {raw.dtype} {raw.shape}")
+    return raw.reshape(*shape[:-1], k // elems, nbytes)
+
+
+def _q8_0(blocks: np.ndarray, lead: int) -> dict:
+    # block: d (f16) | 32 int8; 4 consecutive blocks form a chunk of 4 planes x 32 columns
+    *rows, nb, _ = blocks.shape
+    q = blocks[..., 2:34].reshape(*rows, nb // 4, 4, 32)  # [..., N, C, plane, j]
+    qs = _pack_planes(q, 8).reshape(*rows, nb * 8)
+    d = _f16(blocks[..., 0:2]).reshape(*rows, nb)  # [..., N, K/32]
+    return dict(qs=qs, d=_rows_last(d, lead))
+
+
+def _k4_common(blocks: np.ndarray, qs_bytes: np.ndarray, lead: int) -> dict:
+    *rows, g, _ = blocks.shape
+    q = _nibble_pairs(qs_bytes, 4, 32)  # [..., N, G, 8, 32]: sub-block = plane
+    qs = _pack_planes(q, 4).reshape(*rows, g * 32)
+    dm = _f16(blocks[..., 0:4])  # [..., N, G, 2]
+    sc = _u32(blocks[..., 4:16])  # [..., N, G, 3]
+    return dict(qs=qs, sc=_rows_last(sc, lead), d=_rows_last(dm, lead))
+
+
+def _q4_k(blocks: np.ndarray, lead: int) -> dict:
+    # block: d | dmin | scales[12] | qs[128]
+    return _k4_common(blocks, blocks[..., 16:144], lead)
+
+
+def _q5_k(blocks: np.ndarray, lead: int) -> dict:
+    # block: d | dmin | scales[12] | qh[32] | qs[128]
+    *rows, g, _ = blocks.shape
+    out = _k4_common(blocks, blocks[..., 48:176], lead)
+    out["qh"] = np.ascontiguousarray(blocks[..., 16:48]).reshape(*rows, g * 32)
+    return out
+
+
+def _q6_k(blocks: np.ndarray, lead: int) -> dict:
+    # block: ql[128] | qh[64] | scales[16] (int8) | d (f16)
+    *rows, g, _ = blocks.shape
+    ql = blocks[..., 0:128].reshape(*rows, g, 2, 64)
+    qh = blocks[..., 128:192].reshape(*rows, g, 2, 1, 32)
+    low = _nibble_pairs(ql, 1, 64).reshape(*rows, g, 2, 128)  # [..., G, half, e']
+    high = np.concatenate([(qh >> s) & 3 for s in (0, 2, 4, 6)], axis=-2).reshape(*rows, g, 2, 128)
+    # my planes: element e' = p * 16 + j of a half is plane p (= sub-block 8 h + p), column j
+    low = low.reshape(*rows, g, 2, 8, 16)
+    qs = _pack_planes(low, 4).reshape(*rows, g * 32)  # words (s, h, j)
+    high = high.reshape(*rows, g, 16, 16)  # [..., G, h*8+p, j]
+    qh_words = _pack_planes(high, 2).reshape(*rows, g * 16)  # words (s, j)
+    sc = _u32(blocks[..., 192:208])  # [..., N, G, 4]
+    d = _f16(blocks[..., 208:210]).reshape(*rows, g)
+    return dict(qs=qs, qh=qh_words, sc=_rows_last(sc, lead), d=_rows_last(d, lead))
+
+
+_REPACK = {T.Q8_0: _q8_0, T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k}
+
+
+def repack(raw: np.ndarray, qtype, shape) -> PackedWeight:
+    """GGUF blocks of a ``[..., N, K]`` weight in the plane layout, values unchanged.
+
+    Args:
+      raw: uint8 ``[..., N, row_bytes]`` (any shape with that byte count), e.g. a memmap view.
+      qtype: Q8_0, Q4_K, Q5_K or Q6_K.
+      shape: logical shape ``[..., N, K]``; K a multiple of 256 (128 for Q8_0).
+    Returns:
+      PackedWeight whose arrays are on the default device.
+    Raises:
+      ValueError: another type, a shape the layout cannot hold, or a byte count that does not fit.
+    """
+    qtype = T(qtype)
+    shape = tuple(int(s) for s in shape)
+    if qtype not in _REPACK:
+        names = ", ".join(t.name for t in PACKABLE)
+        raise ValueError(f"repack: no GEMV layout for {qtype.name} (have {names})")
+    blocks = _blocks(raw, qtype, shape)
+    fields = _REPACK[qtype](blocks, len(shape) - 2)
+    arrays = {k: jnp.asarray(v) for k, v in fields.items()}
+    return PackedWeight(**arrays, qtype=int(qtype), shape=shape)
+
+
+# ------------------------------------------------------------------------------------ jnp side
+
+
+def _planes(words: jax.Array, planes: int, bits: int) -> jax.Array:
+    """Unpack bit fields: int32 [..., W] -> int32 [..., planes, W] (field p = bits p*bits..)."""
+    shifts = jnp.arange(planes, dtype=jnp.int32)[:, None] * bits  # [P, 1]
+    return (words[..., None, :] >> shifts) & ((1 << bits) - 1)
+
+
+def _bytes_of(words: jax.Array, n: int) -> jax.Array:
+    """Little-endian bytes of int32 words: [..., n] -> int32 [..., 4 * n] in 0..255."""
+    return _planes(words, 4, 8).swapaxes(-1, -2).reshape(*words.shape[:-1], 4 * n)
+
+
+def _rows_first(a: jax.Array, lead: int) -> jax.Array:
+    """Inverse of the load-time move: [*lead, chunks, *fields, N] -> [*lead, N, chunks, *fields]."""
+    return jnp.moveaxis(a, -1, lead)
+
+
+def _f32(a: jax.Array) -> jax.Array:
+    return a.astype(jnp.float32)
+
+
+def k4_scale_min(a, b, c, p: int):
+    """6-bit scale and min of sub-block p from the three packed words (any matching shapes).
+
+    Bytes 0-3 (word a) hold scales 0-3 in their low 6 bits and bytes 4-7 (word b) mins 0-3;
+    sub-blocks 4-7 keep their low 4 bits in bytes 8-11 (word c: scale low nibble, min high
+    nibble) and their top 2 bits in the spare top bits of the bytes of a (scales) and b (mins).
+    """
+    if p < 4:
+        return (a >> (8 * p)) & 63, (b >> (8 * p)) & 63
+    u = 8 * (p - 4)
+    sc = ((c >> u) & 0x0F) | (((a >> (u + 6)) & 3) << 4)
+    mn = ((c >> (u + 4)) & 0x0F) | (((b >> (u + 6)) & 3) << 4)
+    return sc, mn
+
+
+def dequantize_packed(pw: PackedWeight) -> jax.Array:
+    """float32 values ``pw.shape`` of a packed weight, bit-exact with ``dequantize`` of its blocks.
+
+    The products follow ggml's order (f16 widened; ``d * sc`` first, then times the quant);
+    each product is exact in f32, so only the final subtraction of the min rounds.
+    """
+    qtype = T(pw.qtype)
+    *rows, k = pw.shape
+    lead = len(rows) - 1
+    if qtype == T.Q8_0:
+        q = _planes(pw.qs.reshape(*rows, k // 128, 32), 4, 8)  # [..., N, C, plane, j]
+        q = (q ^ 0x80) - 0x80  # the bytes are two's-complement int8
+        d = _f32(_rows_first(pw.d, lead)).reshape(*rows, k // 128, 4, 1)
+        return (d * _f32(q)).reshape(pw.shape)
+    g = k // 256
+    words = pw.qs.reshape(*rows, g, 32)
+    if qtype in (T.Q4_K, T.Q5_K):
+        q = _planes(words, 8, 4)  # [..., N, G, 8, 32]
+        if qtype == T.Q5_K:
+            qh = pw.qh.reshape(*rows, g, 32).astype(jnp.int32)
+            q = q | (((qh[..., None, :] >> jnp.arange(8)[:, None]) & 1) << 4)
+        sc = _rows_first(pw.sc, lead)  # [..., N, G, 3]
+        pairs = [k4_scale_min(sc[..., 0], sc[..., 1], sc[..., 2], p) for p in range(8)]
+        scale = jnp.stack([s for s, _ in pairs], axis=-1)  # [..., N, G, 8]
+        mins = jnp.stack([m for _, m in pairs], axis=-1)
+        dm = _f32(_rows_first(pw.d, lead))  # [..., N, G, 2]
+        dl = dm[..., 0:1] * _f32(scale)
+        ml = dm[..., 1:2] * _f32(mins)
+        return (dl[..., None] * _f32(q) - ml[..., None]).reshape(pw.shape)
+    # Q6_K
+    low = _planes(words.reshape(*rows, g, 2, 16), 8, 4)  # [..., N, G, h, p, j]
+    high = _planes(pw.qh.reshape(*rows, g, 16), 16, 2).reshape(*rows, g, 2, 8, 16)
+    q = (low | (high << 4)) - 32
+    sc = _bytes_of(_rows_first(pw.sc, lead), 4)  # [..., N, G, 16] in 0..255
+    sc = (sc ^ 0x80) - 0x80
+    d = _f32(_rows_first(pw.d, lead))[..., None]  # [..., N, G, 1]
+    dl = (d * _f32(sc)).reshape(*rows, g, 2, 8, 1)
+    return (dl * _f32(q)).reshape(pw.shape)
