@@ -83,46 +83,48 @@ def fit_scale_min(x, w, nmax: int, rmin: float, rdelta: float, nstep: int):
     lo = np.minimum(x.min(axis=0), 0)  # the min is never positive: 0 must stay representable
     hi = x.max(axis=0)
     live = hi - lo > 1e-30
-    sum_w, sum_x = _colsum(w), _colsum(w * x)
+    sum_w, sum_x = _colsum(w).astype(f64), _colsum(w * x).astype(f64)
     sum_x2 = _colsum(w * x * x).astype(f64)
     l, wl, tmp = np.empty_like(x), np.empty_like(x), np.empty_like(x)
+    sums = np.empty((3, x.shape[1]), f32)
 
     def quant_sums(step, mn):
-        # quants of x over [mn, hi] in `step` steps, and the weighted sums of the fit: [S] each
-        span = np.where(live, hi - mn, 1).astype(f32)
+        # quants of x over [mn, hi] in `step` steps; f64 [3, S]: sum w l, sum w l^2, sum w l x
         np.subtract(x, mn, out=l)
-        np.multiply(l, step / span, out=l)
+        np.multiply(l, step / np.where(live, hi - mn, 1).astype(f32), out=l)
         np.rint(l, out=l)
         np.clip(l, f32(0), f32(nmax), out=l)
         np.multiply(w, l, out=wl)
-        return (_colsum(wl).astype(f64), _colsum(np.multiply(wl, l, out=tmp)).astype(f64),
-                _colsum(np.multiply(wl, x, out=tmp)).astype(f64))
+        _colsum(wl, out=sums[0])
+        _colsum(np.multiply(wl, l, out=tmp), out=sums[1])
+        _colsum(np.multiply(wl, x, out=tmp), out=sums[2])
+        return sums.astype(f64)
 
     def sq_err(s, m, sl, sl2, sxl):
         # sum w (s*l + m - x)^2 expanded from the sums; in f64 the cancellation costs nothing
-        s, m = s.astype(f64), m.astype(f64)
-        return s * s * sl2 + m * m * sum_w + sum_x2 + 2 * s * m * sl - 2 * s * sxl - 2 * m * sum_x
+        return s * (s * sl2 + 2 * (m * sl - sxl)) + m * (m * sum_w - 2 * sum_x) + sum_x2
 
-    best_scale = (np.where(live, hi - lo, 0) / f32(nmax)).astype(f32)
-    best_min = lo
+    best_scale = np.where(live, hi - lo, 0).astype(f64) / nmax
+    best_min = lo.astype(f64)
     best_err = sq_err(best_scale, best_min, *quant_sums(f32(nmax), lo))
     for k in range(nstep + 1):
-        sl, sl2, sxl = quant_sums(f32(rmin) + f32(rdelta) * f32(k) + f32(nmax), best_min)
+        step = f32(rmin) + f32(rdelta) * f32(k) + f32(nmax)
+        sl, sl2, sxl = quant_sums(step, best_min.astype(f32))
         det = sum_w * sl2 - sl * sl
-        ok = det > 0
-        det = np.where(ok, det, 1)
-        scale = (sum_w * sxl - sum_x * sl) / det
-        mn = (sl2 * sum_x - sl * sxl) / det
+        ok = (det > 0) & live
+        inv_det = 1 / np.where(ok, det, 1)
+        scale = (sum_w * sxl - sum_x * sl) * inv_det
+        mn = (sl2 * sum_x - sl * sxl) * inv_det
         clamp = mn > 0  # a positive min would hide zero: refit through the origin instead
-        mn = np.where(clamp, 0, mn).astype(f32)
-        scale = np.where(clamp, sxl / np.where(sl2 > 0, sl2, 1), scale).astype(f32)
+        if clamp.any():
+            mn = np.where(clamp, 0, mn)
+            scale = np.where(clamp, sxl / np.where(sl2 > 0, sl2, 1), scale)
         err = sq_err(scale, mn, sl, sl2, sxl)
-        better = ok & live & (err < best_err)
+        better = ok & (err < best_err)
         best_err = np.where(better, err, best_err)
         best_scale = np.where(better, scale, best_scale)
         best_min = np.where(better, mn, best_min)
-    scale = np.where(live, np.maximum(best_scale, 0), 0).astype(f32)
-    return scale, (-best_min).astype(f32)
+    return np.maximum(best_scale, 0).astype(f32), (-best_min).astype(f32)
 
 
 def _pack_k4_scales(ls: np.ndarray, lm: np.ndarray) -> np.ndarray:
