@@ -57,19 +57,35 @@ def default_model_path(directory: str | os.PathLike | None = None) -> Path:
     if missing:
         raise ConfigError(f"default model chunk files are missing: {', '.join(missing)}")
     expected = pkg.EXPECTED_SHA256
-    size = sum(p.stat().st_size for p in chunks)
 
     base = Path(directory) if directory is not None else cache_dir()
-    base.mkdir(parents=True, exist_ok=True)
     target = base / pkg.MODEL_NAME
-    if _is_trusted(target, size, expected):
-        return target
+    assemble_cached(chunks, expected, target)
+    return target
+
+
+def assemble_cached(chunks: list[Path], expected_sha256: str, target: Path) -> bool:
+    """Make ``target`` the verified concatenation of ``chunks``, safely against other processes.
+
+    Args:
+      chunks: files to join, in order.
+      expected_sha256: hex digest the joined bytes must have.
+      target: the output file; ``<target>.lock`` and ``<target>.sha256`` live beside it.
+    Returns:
+      True when this call assembled the file, False when a verified copy was already there.
+    Raises:
+      ConfigError: the joined bytes have another digest (nothing is left at ``target``).
+    """
+    size = sum(p.stat().st_size for p in chunks)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if _is_trusted(target, size, expected_sha256):
+        return False
     with open(f"{target}.lock", "a+b") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        if _is_trusted(target, size, expected):  # another process finished while we waited
-            return target
-        _assemble(chunks, target, expected)
-    return target
+        if _is_trusted(target, size, expected_sha256):  # another process finished while we waited
+            return False
+        _assemble(chunks, target, expected_sha256)
+    return True
 
 
 def _marker(target: Path) -> Path:
