@@ -213,19 +213,29 @@ def sample(logits: jax.Array, rows: SamplerRows, n_top: int = MAX_N_PROBS) -> Sa
     return SampleOut(token, chosen, top_ids.astype(jnp.int32), top_lp)
 
 
-def advance(rows: SamplerRows, token: jax.Array, active: jax.Array) -> SamplerRows:
-    """Record each active row's new token: counts[b, token_b] += 1, step_b += 1.
+def advance(rows: SamplerRows, token: jax.Array, active: jax.Array, start=0) -> SamplerRows:
+    """Record each active row's new token: counts[r, token] += 1, step[r] += 1.
 
     Args:
-      rows: N >= B rows (the engine's whole sampler state); rows [B, N) are untouched.
-      token: [B] i32 tokens of rows [0, B).
+      rows: N rows (the engine's whole sampler state); rows outside the window are untouched.
+      token: [B] i32 tokens of rows [start, start + B).
       active: [B] bool, rows that really generated (padding rows are left alone).
+      start: first row of the window (may be traced).
     """
     B = token.shape[0]
+    r = start + jnp.arange(B)  # [B]
     inc = active.astype(jnp.int32)
-    counts = rows.counts.at[jnp.arange(B), token].add(inc)
-    step = rows.step.at[:B].add(inc)
-    return rows._replace(counts=counts, step=step)
+    return rows._replace(counts=rows.counts.at[r, token].add(inc), step=rows.step.at[r].add(inc))
+
+
+def take_rows(rows: SamplerRows, start, n: int) -> SamplerRows:
+    """Rows ``[start, start + n)`` of a sampler state (start may be traced, n static)."""
+    return SamplerRows(*(jax.lax.dynamic_slice_in_dim(x, start, n, axis=0) for x in rows))
+
+
+def set_row(rows: SamplerRows, slot, row: SamplerRows) -> SamplerRows:
+    """The state with row ``slot`` replaced by ``row`` (fields without the batch axis)."""
+    return SamplerRows(*(x.at[slot].set(y) for x, y in zip(rows, row)))
 
 
 def sampling_probs(logits: jax.Array, rows: SamplerRows) -> jax.Array:

@@ -1,0 +1,249 @@
+"""The engine: N sequence slots on the device, chunked prefill, bucketed decode, rollback.
+
+Contract. ``Engine(model)`` owns the KV cache (:class:`SlotCache`) and the sampler state of
+``n_slots`` sequences. A :class:`Sequence` is a token list (prompt, then generated tokens) of
+which the first ``n_cached`` have their keys/values in the cache; its *pending* tokens are fed
+next. ``prefill(seq)`` feeds up to ``ubatch`` pending tokens (padded to a chunk length of
+:func:`steps.chunk_lengths`); ``decode(seqs)`` feeds the one pending token of each sequence in
+one step of the smallest bucket that holds them. When the last pending token has been fed, a
+new token is sampled, appended, and returned. ``rollback(seq, n)`` truncates a sequence to
+its first n tokens: the result is as if the later tokens had never been decoded.
+
+Live sequences always occupy slots ``[0, n)``: releasing one moves the highest slot's sequence
+into the hole (one copy of a slot), so the decode bucket only depends on how many are live.
+Nothing here blocks on the device except reading the sampled tokens back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Sequence as Seq
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..errors import ConfigError
+from . import cache as cache_ops
+from . import sampling
+from .cache import SlotCache
+from .steps import StepFunctions, bucket_for, chunk_lengths, decode_buckets
+
+
+@dataclasses.dataclass
+class Sampled:
+    """One sampled token on the host, with its raw log-probability and the top-n list."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    tokens: list[int]
+    n_prompt: int
+    params: sampling.SamplingParams
+    slot: int
+    n_cached: int = 0
+
+    @property
+    def pending(self) -> int:
+        return len(self.tokens) - self.n_cached
+
+    @property
+    def n_generated(self) -> int:
+        return len(self.tokens) - self.n_prompt
+
+
+def _default_min_rows() -> int:
+    # XLA:CPU runs a one-row matmul as a GEMV that sums in another order than its GEMM path
+    # (>= 2 rows, bit-identical for any row count, measured); two rows keep a lone sequence's
+    # numbers equal to the same sequence decoded beside others. GPUs gain nothing from it.
+    return 2 if jax.default_backend() == "cpu" else 1
+
+
+class Engine:
+    """Continuous-batching engine over one loaded model.
+
+    Args:
+      model: a ``models.loader.Model`` (params, cfg, module with ``forward``).
+      n_slots: sequences that can be live at once.
+      max_context: positions per slot (prompt + generated); default min(model context, 4096).
+      ubatch: most prompt tokens fed in one prefill step (<= 4096).
+      min_chunk: shortest padded prefill chunk.
+      kv_dtype: float32 | bfloat16 | float16.
+      n_top: width of the top log-probability report (the most any request may ask).
+      min_rows: smallest decode bucket (default 2 on the CPU, see _default_min_rows).
+      placement: the expert placement pytree handed to the forward (None = all on card).
+    """
+
+    def __init__(self, model, *, n_slots: int = 4, max_context: int | None = None, ubatch: int = 512,
+                 min_chunk: int = 16, kv_dtype: str = "float32", n_top: int = sampling.MAX_N_PROBS,
+                 min_rows: int | None = None, placement=None):
+        cfg = model.cfg
+        if max_context is None:
+            max_context = min(int(getattr(cfg, "context_length", 4096)), 4096)
+        for name, value, lo, hi in (("n_slots", n_slots, 1, 4096), ("max_context", max_context, 2, 1 << 24),
+                                    ("ubatch", ubatch, 1, 4096), ("n_top", n_top, 0, 1024)):
+            if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+                raise ConfigError(f"engine {name}={value!r}: must be an integer in [{lo}, {hi}]")
+        if kv_dtype not in cache_ops.KV_DTYPES:
+            raise ConfigError(f"engine kv_dtype={kv_dtype!r}: must be one of {sorted(cache_ops.KV_DTYPES)}")
+        self.model = model
+        self.cfg = cfg
+        self.params = model.params
+        self.placement = placement
+        self.n_vocab = int(cfg.n_vocab)
+        self.max_context = max_context
+        self.ubatch = ubatch
+        self.chunks = chunk_lengths(ubatch, max(1, min(min_chunk, ubatch)))
+        self.buckets = decode_buckets(n_slots, min_rows or _default_min_rows())
+        self.n_slots = n_slots
+        self.n_top = n_top
+        rows = self.buckets[-1]  # the largest bucket's window must fit in the cache
+        self.cache = SlotCache.for_config(cfg, rows, max_context, kv_dtype)
+        empty = sampling.row_arrays(sampling.SamplingParams(temperature=0.0), self.n_vocab)
+        self.sampler = sampling.make_rows([empty] * rows)
+        self.steps = StepFunctions(model.module.forward, cfg, n_top)
+        self.live: list[Sequence] = []  # live[i].slot == i
+        self.last_routing = None
+
+    # --- sequences --------------------------------------------------------------------------
+    @property
+    def free_slots(self) -> int:
+        return self.n_slots - len(self.live)
+
+    def add(self, prompt: Seq[int], params: sampling.SamplingParams) -> Sequence:
+        """Start a sequence in a free slot. ConfigError on a bad prompt or bad parameters."""
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise ConfigError("prompt is empty: it needs at least one token")
+        if len(prompt) >= self.max_context:
+            raise ConfigError(f"prompt of {len(prompt)} tokens does not fit the context of {self.max_context}")
+        bad = [t for t in prompt if not 0 <= t < self.n_vocab]
+        if bad:
+            raise ConfigError(f"prompt token id {bad[0]} is not in [0, {self.n_vocab})")
+        params.validate(self.n_vocab, self.n_top)
+        if not self.free_slots:
+            raise ConfigError(f"all {self.n_slots} slots are busy")
+        seq = Sequence(prompt, len(prompt), params, slot=len(self.live))
+        self.live.append(seq)
+        self._reset_slot(seq)
+        return seq
+
+    def release(self, seq: Sequence) -> None:
+        """Free a sequence's slot; the highest live sequence moves into it to keep slots dense."""
+        i = self.live.index(seq)
+        last = self.live.pop()
+        if last is not seq:
+            self.cache = cache_ops.move_slot(self.cache, last.slot, i)
+            self.sampler = self.steps.move_row(self.sampler, last.slot, i)
+            last.slot = i
+            self.live[i] = last
+        seq.slot = -1
+
+    def rollback(self, seq: Sequence, n_tokens: int) -> None:
+        """Truncate ``seq`` to its first ``n_tokens`` tokens (1 <= n_tokens <= len).
+
+        The cache keeps positions ``< n_tokens - 1``; the last kept token is pending again, so
+        the next step recomputes its logits. Sampler counts and the step index (hence the random
+        stream) return to what they were when that token was sampled.
+        """
+        if not 1 <= n_tokens <= len(seq.tokens):
+            raise ConfigError(f"rollback to {n_tokens} tokens: the sequence has {len(seq.tokens)}")
+        del seq.tokens[n_tokens:]
+        seq.n_cached = min(seq.n_cached, n_tokens - 1)
+        self._reset_slot(seq)
+
+    def _reset_slot(self, seq: Sequence) -> None:
+        self.cache = cache_ops.set_length(self.cache, seq.slot, seq.n_cached)
+        row = sampling.row_arrays(seq.params, self.n_vocab, seq.tokens[: seq.n_prompt], seq.tokens[seq.n_prompt :])
+        self.sampler = self.steps.set_row(self.sampler, seq.slot, sampling.SamplerRows(**row))
+
+    # --- steps ------------------------------------------------------------------------------
+    def prefill(self, seq: Sequence, budget: int | None = None) -> Sampled | None:
+        """Feed up to min(ubatch, budget) pending tokens of ``seq`` (at least 2 must be pending).
+
+        Returns the sampled token when the chunk held the last pending token, else None.
+        """
+        n = min(seq.pending, self.ubatch, budget or self.ubatch)
+        if seq.pending < 2 or n < 1:
+            raise ValueError(f"prefill needs >= 2 pending tokens and a budget >= 1 (pending {seq.pending})")
+        if seq.n_cached + seq.pending > self.max_context:
+            raise ConfigError(f"sequence of {len(seq.tokens)} tokens does not fit the context of {self.max_context}")
+        T = bucket_for(self.chunks, n)
+        tokens = np.zeros((1, T), np.int32)
+        positions = np.full((1, T), self.max_context, np.int32)  # padding: position S, never stored
+        tokens[0, :n] = seq.tokens[seq.n_cached : seq.n_cached + n]
+        positions[0, :n] = np.arange(seq.n_cached, seq.n_cached + n)
+        final = n == seq.pending
+        self.cache, self.sampler, out, _, self.last_routing = self.steps.prefill(
+            self.params, self.cache, self.sampler, self.placement, tokens, positions,
+            np.int32(seq.slot), np.int32(n - 1), np.bool_(final))
+        seq.n_cached += n
+        if not final:
+            return None
+        return self._record([seq], out)[0]
+
+    def decode(self, seqs: Seq[Sequence]) -> list[Sampled]:
+        """One token for each sequence (each must have exactly one pending token)."""
+        if not seqs:
+            return []
+        b = bucket_for(self.buckets, len(self.live))
+        tokens = np.zeros(b, np.int32)
+        positions = np.full(b, self.max_context, np.int32)
+        active = np.zeros(b, bool)
+        for s in seqs:
+            if s.pending != 1:
+                raise ValueError(f"decode needs exactly one pending token (slot {s.slot} has {s.pending})")
+            if s.n_cached >= self.max_context:
+                raise ConfigError(f"sequence reached the context of {self.max_context} tokens")
+            tokens[s.slot] = s.tokens[-1]
+            positions[s.slot] = s.n_cached
+            active[s.slot] = True
+        self.cache, self.sampler, out, _, self.last_routing = self.steps.decode(
+            self.params, self.cache, self.sampler, self.placement, tokens, positions, active)
+        for s in seqs:
+            s.n_cached += 1
+        return self._record(seqs, out, rows=[s.slot for s in seqs])
+
+    def _record(self, seqs, out: sampling.SampleOut, rows=None) -> list[Sampled]:
+        token, logprob, top_ids, top_lp = (np.asarray(x) for x in out)  # one device → host transfer
+        rows = rows if rows is not None else [0] * len(seqs)
+        result = []
+        for s, r in zip(seqs, rows):
+            t = int(token[r])
+            s.tokens.append(t)
+            k = s.params.n_probs
+            result.append(Sampled(t, float(logprob[r]), [(int(i), float(v)) for i, v in zip(top_ids[r, :k], top_lp[r, :k])]))
+        return result
+
+    # --- compilation ------------------------------------------------------------------------
+    def warmup(self, progress: Callable[[str], None] | None = None, chunks: Seq[int] | None = None,
+               buckets: Seq[int] | None = None) -> float:
+        """Compile every prefill chunk length and decode bucket (or the ones given); returns seconds.
+
+        Runs each step with padding rows only, so the cache and the sampler state are unchanged.
+        """
+        t0 = time.perf_counter()
+        S = self.max_context
+        todo = [("prefill", T) for T in (chunks or self.chunks)] + [("decode", b) for b in (buckets or self.buckets)]
+        for i, (kind, n) in enumerate(todo):
+            if progress:
+                progress(f"compiling {kind} {n} ({i + 1}/{len(todo)}, {time.perf_counter() - t0:.1f} s)")
+            if kind == "prefill":
+                res = self.steps.prefill(self.params, self.cache, self.sampler, self.placement,
+                                         np.zeros((1, n), np.int32), np.full((1, n), S, np.int32),
+                                         np.int32(0), np.int32(0), np.bool_(False))
+            else:
+                res = self.steps.decode(self.params, self.cache, self.sampler, self.placement,
+                                        np.zeros(n, np.int32), np.full(n, S, np.int32), np.zeros(n, bool))
+            self.cache, self.sampler = res[0], res[1]
+            jax.block_until_ready(res[2])
+        return time.perf_counter() - t0
+
+    def slot_lengths(self) -> np.ndarray:
+        """Filled positions of every slot (host copy; for tests and /slots)."""
+        return np.asarray(self.cache.all_lengths)

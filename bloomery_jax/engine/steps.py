@@ -1,0 +1,127 @@
+"""The jitted step functions: a prefill chunk of one sequence, a decode step of a batch bucket.
+
+Contract. Both wrap a model forward ``forward(params, cfg, tokens [B, T], positions [B, T],
+cache, placement) -> (logits [B, T, V], cache, routing)`` whose cache argument is a
+:class:`~bloomery_jax.engine.cache.SlotCache` window, sample on the device, and return the
+cache and sampler state, which are donated (updated in place):
+
+- ``prefill(params, cache, sampler, placement, tokens [1, T], positions [1, T], slot, last,
+  final)``: one chunk of slot ``slot``'s pending tokens, padded to T with positions ``S``;
+  samples from the logits of chunk index ``last`` and, when ``final``, records the token.
+- ``decode(params, cache, sampler, placement, tokens [b], positions [b], active [b])``: one
+  token for each of slots ``[0, b)``; rows with ``active`` False are padding (position ``S``,
+  nothing stored, sampler row untouched).
+
+Each returns ``(cache, sampler, SampleOut, logits of the sampled positions, routing)``. Shapes
+are static per chunk length T and bucket b; slots, positions and flags are traced, so requests
+coming and going never recompile.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from . import sampling
+from .cache import SlotCache
+
+
+class StepFunctions:
+    """The compiled prefill and decode steps of one model.
+
+    The jitted functions are module-level with ``forward``, ``cfg`` and ``n_top`` static, so
+    every Engine over the same model shares one compilation per shape.
+
+    Args:
+      forward: the architecture's forward function.
+      cfg: its static (hashable) Config.
+      n_top: width of the top log-probability report (static).
+    """
+
+    def __init__(self, forward, cfg, n_top: int):
+        self.forward = forward
+        self.cfg = cfg
+        self.n_top = n_top
+
+    def prefill(self, params, cache, sampler, placement, tokens, positions, slot, last, final):
+        return _prefill(self.forward, self.cfg, self.n_top, params, cache, sampler, placement,
+                        tokens, positions, slot, last, final)
+
+    def decode(self, params, cache, sampler, placement, tokens, positions, active):
+        return _decode(self.forward, self.cfg, self.n_top, params, cache, sampler, placement,
+                       tokens, positions, active)
+
+    @staticmethod
+    def set_row(sampler, slot, row):
+        return _set_row(sampler, slot, row)
+
+    @staticmethod
+    def move_row(sampler, src, dst):
+        return _move_row(sampler, src, dst)
+
+
+_STATIC = ("forward", "cfg", "n_top")
+_DONATE = ("cache", "sampler")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=_DONATE)
+def _prefill(forward, cfg, n_top, params, cache: SlotCache, sampler, placement, tokens, positions, slot, last,
+             final):
+    n_slots = cache.n_slots
+    logits, view, routing = forward(params, cfg, tokens, positions, cache.window(slot, 1), placement)
+    row_logits = jax.lax.dynamic_slice_in_dim(logits[0], last, 1, axis=0)  # [1, V]
+    out = sampling.sample(row_logits, sampling.take_rows(sampler, slot, 1), n_top)
+    sampler = sampling.advance(sampler, out.token, jnp.reshape(final, (1,)), start=slot)
+    return view.window(0, n_slots), sampler, out, row_logits, routing
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=_DONATE)
+def _decode(forward, cfg, n_top, params, cache: SlotCache, sampler, placement, tokens, positions, active):
+    b = tokens.shape[0]
+    n_slots = cache.n_slots
+    logits, view, routing = forward(params, cfg, tokens[:, None], positions[:, None], cache.window(0, b), placement)
+    step_logits = logits[:, 0]  # [b, V]
+    out = sampling.sample(step_logits, sampling.take_rows(sampler, 0, b), n_top)
+    sampler = sampling.advance(sampler, out.token, active, start=0)
+    return view.window(0, n_slots), sampler, out, step_logits, routing
+
+
+_set_row = jax.jit(sampling.set_row, donate_argnums=0)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _move_row(rows: sampling.SamplerRows, src, dst) -> sampling.SamplerRows:
+    return sampling.SamplerRows(*(x.at[dst].set(x[src]) for x in rows))
+
+
+def chunk_lengths(ubatch: int, min_chunk: int) -> list[int]:
+    """Padded prefill chunk lengths: powers of two from ``min_chunk`` below ``ubatch``, then ``ubatch``."""
+    out = []
+    n = min_chunk
+    while n < ubatch:
+        out.append(n)
+        n *= 2
+    return out + [ubatch]
+
+
+def decode_buckets(n_slots: int, min_rows: int) -> list[int]:
+    """Decode batch sizes: powers of two from ``min_rows`` up to the first one >= ``n_slots``."""
+    out = [min_rows]
+    while out[-1] < n_slots:
+        out.append(out[-1] * 2)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _bucket_for(buckets: tuple[int, ...], n: int) -> int:
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+def bucket_for(buckets, n: int) -> int:
+    """The smallest bucket holding n rows or tokens."""
+    return _bucket_for(tuple(buckets), n)
