@@ -3,8 +3,8 @@
     raw = quantize(x, GGMLQuantizationType.Q4_K)   # f32 [..., n] -> uint8 [..., row_bytes(n)]
 
 The bytes are laid out exactly as ggml stores them, so ``gguf.quants.dequantize``, llama.cpp
-and our ``dequantize`` read them. Q4_K, Q5_K and Q6_K follow llama.cpp's reference
-quantizers (``quantize_k``); Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 are vectorized twins of
+and our ``dequantize`` read them. Q2_K to Q6_K follow llama.cpp's reference quantizers
+(``quantize_k_low``, ``quantize_k``); Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 are vectorized twins of
 ggml's reference ones with identical bytes (``quantize_legacy``); BF16 is delegated to
 gguf-py. One deliberate difference from ggml everywhere: an f16 value (an F16 element, a
 block scale or min) beyond ±65504 saturates there instead of becoming inf, so a finite
@@ -23,7 +23,7 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
-from . import quantize_k, quantize_legacy as legacy
+from . import quantize_k, quantize_k_low, quantize_legacy as legacy
 from .formats import block_geometry
 from .quantize_k import f16_bytes
 
@@ -47,6 +47,8 @@ _BLOCK_QUANT = {
     T.Q5_0: legacy.quantize_q5_0,
     T.Q5_1: legacy.quantize_q5_1,
     T.Q8_0: legacy.quantize_q8_0,
+    T.Q2_K: quantize_k_low.quantize_q2_k,
+    T.Q3_K: quantize_k_low.quantize_q3_k,
     T.Q4_K: quantize_k.quantize_q4_k,
     T.Q5_K: quantize_k.quantize_q5_k,
     T.Q6_K: quantize_k.quantize_q6_k,

@@ -64,18 +64,19 @@ def _normalize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 # --- Q4_K / Q5_K ---------------------------------------------------------------------------
 
 
-def fit_scale_min(x, w, nmax: int, rmin: float, rdelta: float, nstep: int):
+def fit_scale_min(x, w, nmax: int, rmin: float, rdelta: float, nstep: int, mad: bool = False):
     """Weighted asymmetric fit ``x ~ scale * l + mn`` with integer ``l`` in [0, nmax], mn <= 0.
 
     Candidate 0 spreads [min(x, 0), max(x)] over nmax steps. Candidate k + 1 spreads
     [mn, max(x)] over ``nmax + rmin + rdelta * k`` steps, where mn is the best min found so
     far (so the search is sequential in k, as in ggml), then refits scale and min by weighted
     least squares on the quants it produced; it replaces the best if its weighted squared
-    error is smaller.
+    error (``mad``: weighted absolute error) is smaller.
 
     Args:
       x: f32 [n, S], sub-block s in column s; w: f32 [n, S] weights.
       nmax: largest quant; rmin, rdelta, nstep: the candidate step counts (k = 0..nstep).
+      mad: judge candidates by sum w |error| (Q2_K) instead of sum w error^2.
     Returns:
       (scale f32 [S] >= 0, the_min = -mn f32 [S] >= 0); a flat sub-block gets scale 0.
     """
@@ -101,6 +102,12 @@ def fit_scale_min(x, w, nmax: int, rmin: float, rdelta: float, nstep: int):
         return sums.astype(f64)
 
     def sq_err(s, m, sl, sl2, sxl):
+        if mad:  # sum w |s*l + m - x| has no closed form in the sums: one more pass over l
+            np.multiply(l, s.astype(f32), out=tmp)
+            np.add(tmp, m.astype(f32), out=tmp)
+            np.subtract(tmp, x, out=tmp)
+            np.abs(tmp, out=tmp)
+            return _colsum(np.multiply(tmp, w, out=tmp)).astype(f64)
         # sum w (s*l + m - x)^2 expanded from the sums; in f64 the cancellation costs nothing
         return s * (s * sl2 + 2 * (m * sl - sxl)) + m * (m * sum_w - 2 * sum_x) + sum_x2
 
