@@ -10,6 +10,9 @@ temporary file that is renamed over the target with ``os.replace``, so any numbe
 starting at once see either no file or the whole verified one. A ``<file>.sha256`` marker
 holding the verified digest is written after the rename; a cached file is trusted when the
 marker names the expected digest and the file's size equals the chunks' total size.
+
+The file carries no ``tokenizer.chat_template``; :data:`CHAT_TEMPLATE` is Gemma's turn format
+(``chat.GEMMA_TEMPLATE``) for it, checked against llama.cpp's built-in Gemma renderer.
 """
 
 from __future__ import annotations
@@ -20,9 +23,11 @@ import os
 import tempfile
 from pathlib import Path
 
+from .chat import GEMMA_TEMPLATE as CHAT_TEMPLATE
 from .errors import ConfigError
 
 _BLOCK = 1 << 20
+__all__ = ["CHAT_TEMPLATE", "assemble_cached", "cache_dir", "default_model_path"]
 
 
 def cache_dir() -> Path:

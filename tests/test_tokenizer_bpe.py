@@ -133,7 +133,7 @@ def test_decode_round_trips(ours, name):
     tok = ours[name]
     for text in CORPUS:
         ids = tok.encode(text, add_special=False, parse_special=True)
-        if tok.vocab.add_space_prefix and any(isinstance(f, int) for f in tok._split_specials(text, True)):
+        if tok.vocab.add_space_prefix and any(isinstance(f, int) for f in tok.split_specials(text, True)):
             continue  # SentencePiece adds a space after every special token: not invertible
         assert tok.decode(ids, special=True) == text
         if "<" not in text:  # no control-token texts: plain decoding gives the text back too

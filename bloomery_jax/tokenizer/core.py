@@ -34,6 +34,7 @@ class Tokenizer:
         else:
             self.backend = build_spm(vocab, self._ids)
         self._specials = {True: vocab.special_ids(True), False: vocab.special_ids(False)}
+        self._eog_ids = vocab.eog_ids()
         self._pieces: list[bytes] | None = None
         self._special_pieces: list[bytes] | None = None
 
@@ -58,7 +59,8 @@ class Tokenizer:
 
     @property
     def eog_ids(self) -> frozenset[int]:
-        return self.vocab.eog_ids()
+        """Ids that end generation (EOS, EOT, end-of-turn tokens)."""
+        return self._eog_ids
 
     def token_id(self, text: str) -> int | None:
         """Id of the token whose text is exactly ``text``, or None."""
@@ -78,13 +80,17 @@ class Tokenizer:
         """
         if not isinstance(text, str):
             raise ConfigError(f"tokenizer input must be str, got {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # lone surrogates: not text llama.cpp could receive
+            raise ConfigError(f"tokenizer input is not valid Unicode: {e.reason} at index {e.start}") from None
         v = self.vocab
         out: list[int] = []
         if add_special and v.add_bos:
             if v.bos_id is None:
                 raise ConfigError(f"{v.path}: the vocabulary asks for a BOS token but has none")
             out.append(v.bos_id)
-        fragments = self._split_specials(text, parse_special) if text else []
+        fragments = self.split_specials(text, parse_special) if text else []
         spm = v.model == "llama"
         prev_special = True
         for frag in fragments:
@@ -102,8 +108,8 @@ class Tokenizer:
             out.append(v.eos_id)
         return out
 
-    def _split_specials(self, text: str, parse_special: bool) -> list[str | int]:
-        """Text fragments (str) and special-token ids (int), in order."""
+    def split_specials(self, text: str, parse_special: bool) -> list[str | int]:
+        """Step (1) of encoding: text fragments (str) and special-token ids (int), in order."""
         frags: list[str | int] = [text]
         tokens = self.vocab.tokens
         for sid in self._specials[parse_special]:
