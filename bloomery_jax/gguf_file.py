@@ -1,23 +1,30 @@
 """Reading GGUF files: typed metadata and a validated, zero-copy tensor table.
 
-Parsing is the `gguf` package's; this module makes it safe on untrusted files. Every read is
-bounds-checked against the file size, every tensor's type, shape, byte size, alignment and
-extent are checked before a view of its data is taken, and every failure is a
-:class:`~bloomery_jax.errors.GGUFError` naming the file and the tensor or key at fault.
+The header is parsed here (not by gguf-py's reader) so that untrusted files are safe: every
+read is bounds-checked against the file size before it happens, counts are checked against
+what the file could possibly hold, keys, strings and tensor names must be UTF-8, and every
+tensor's type, shape, byte size, alignment and data extent are checked before a view of its
+data is taken. Every failure is a :class:`~bloomery_jax.errors.GGUFError` naming the file and
+the key or tensor at fault; nothing else escapes (a bug aside).
+
+The data layout rule is ggml's: tensor data lies in the data section at aligned offsets, each
+tensor's extent (up to the next tensor's data, or the end of the file) holds exactly its bytes
+plus alignment padding. A shape that needs more bytes (overlap) or fewer (a gap) is refused.
 
 Shapes are given in NumPy order (row-major, outermost first): ggml's ``ne = [K, N]`` is
 ``shape = (N, K)`` here, so a weight ``[N, K]`` maps ``K`` inputs to ``N`` outputs.
+Only little-endian files (the only kind llama.cpp writes) are read.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import struct
 from typing import Any, Iterator
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
-from gguf.gguf_reader import ReaderField
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from .errors import GGUFError, UnsupportedArchitectureError
 
@@ -33,68 +40,17 @@ PLAIN_DTYPES = {
 }
 
 MAX_DIMS = 4  # GGML_MAX_DIMS
+SUPPORTED_VERSIONS = (2, 3)
+DEFAULT_ALIGNMENT = 32
+_MAGIC = b"GGUF"
 
-
-class _TruncatedRead(Exception):
-    """Internal: a read past the end of the file, turned into a GGUFError by the caller."""
-
-    def __init__(self, offset: int, size: int, file_size: int):
-        super().__init__(f"needs bytes {offset}..{offset + size} but the file has {file_size}")
-
-
-class _CheckedReader(GGUFReader):
-    """GGUFReader whose reads never run past the end and whose tensors are validated."""
-
-    def _get(self, offset, dtype, count=1, override_order=None):
-        count = int(count)
-        size = np.dtype(dtype).itemsize * count
-        if offset < 0 or count < 0 or offset + size > len(self.data):
-            raise _TruncatedRead(int(offset), int(size), len(self.data))
-        return super()._get(offset, dtype, count, override_order)
-
-    def _build_tensors(self, start_offs: int, fields: list[ReaderField]) -> None:
-        self.tensor_problems: list[tuple[str, str]] = []
-        for field in fields:
-            problem = _tensor_info_problem(field, start_offs, self.alignment, len(self.data))
-            if problem is not None:
-                name = bytes(field.parts[1]).decode("utf-8", errors="replace")
-                raise GGUFError(self._path, problem, tensor=name)
-        super()._build_tensors(start_offs, fields)
-
-    def __init__(self, path):
-        self._path = path
-        super().__init__(path, mode="r")
-
-
-def _tensor_info_problem(field: ReaderField, data_start: int, alignment: int, file_size: int) -> str | None:
-    """Why a tensor-info record is unusable, or None when it is fine."""
-    _name_len, _name, n_dims, dims, raw_type, offset = field.parts
-    n_dims, raw_type, offset = int(n_dims[0]), int(raw_type[0]), int(offset[0])
-    if not 1 <= n_dims <= MAX_DIMS:
-        return f"has {n_dims} dimensions; ggml allows 1 to {MAX_DIMS}"
-    try:
-        qtype = GGMLQuantizationType(raw_type)
-    except ValueError:
-        return f"has unknown ggml type {raw_type}"
-    if qtype not in GGML_QUANT_SIZES:
-        return f"has ggml type {qtype.name} of unknown block size"
-    ne = [int(d) for d in dims]
-    if any(d <= 0 for d in ne):
-        return f"has a non-positive dimension in ne={ne}"
-    block_elems, block_bytes = GGML_QUANT_SIZES[qtype]
-    if ne[0] % block_elems:
-        return f"row length {ne[0]} is not a multiple of the {qtype.name} block size {block_elems}"
-    n_elems = int(np.prod(ne, dtype=np.uint64)) if max(ne) < 2**62 else 2**63
-    n_bytes = n_elems // block_elems * block_bytes
-    if offset % alignment:
-        return f"data offset {offset} is not aligned to {alignment}"
-    start = data_start + offset
-    if start + n_bytes > file_size:
-        return (
-            f"data of {n_bytes} bytes at offset {start} runs past the end of the file "
-            f"({file_size} bytes; truncated file?)"
-        )
-    return None
+V = GGUFValueType
+# scalar value type -> (struct format, NumPy dtype)
+_SCALARS = {
+    V.UINT8: ("<B", "<u1"), V.INT8: ("<b", "<i1"), V.UINT16: ("<H", "<u2"), V.INT16: ("<h", "<i2"),
+    V.UINT32: ("<I", "<u4"), V.INT32: ("<i", "<i4"), V.FLOAT32: ("<f", "<f4"), V.BOOL: ("<?", "<u1"),
+    V.UINT64: ("<Q", "<u8"), V.INT64: ("<q", "<i8"), V.FLOAT64: ("<d", "<f8"),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,53 +81,204 @@ class TensorInfo:
         return int(self.data.nbytes)
 
 
+class _Cursor:
+    """Bounds-checked little-endian reads from the mapped file; errors name what was being read."""
+
+    def __init__(self, path: str, buf: memoryview):
+        self.path, self.buf, self.size, self.pos = path, buf, len(buf), 0
+
+    def need(self, n: int, what: str, **where) -> int:
+        if n < 0 or self.pos + n > self.size:
+            raise GGUFError(self.path, f"truncated header: {what} needs bytes {self.pos}..{self.pos + n} "
+                                       f"but the file has {self.size}", **where)
+        start = self.pos
+        self.pos += n
+        return start
+
+    def scalar(self, fmt: str, what: str, **where):
+        start = self.need(struct.calcsize(fmt), what, **where)
+        return struct.unpack_from(fmt, self.buf, start)[0]
+
+    def raw_string(self, what: str, **where) -> bytes:
+        n = self.scalar("<Q", f"the length of {what}", **where)
+        start = self.need(n, what, **where)
+        return bytes(self.buf[start:start + n])
+
+    def text(self, what: str, **where) -> str:
+        raw = self.raw_string(what, **where)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise GGUFError(self.path, f"{what} is not valid UTF-8", **where) from None
+
+
+def _read_value(cur: _Cursor, vtype: int, key: str, *, in_array: bool = False) -> Any:
+    try:
+        vtype = V(vtype)
+    except ValueError:
+        raise GGUFError(cur.path, f"unknown metadata value type {vtype}", key=key) from None
+    if vtype in _SCALARS:
+        value = cur.scalar(_SCALARS[vtype][0], "a metadata value", key=key)
+        return float(value) if vtype in (V.FLOAT32, V.FLOAT64) else value
+    if vtype == V.STRING:
+        return cur.text("a string value", key=key)
+    if in_array:
+        raise GGUFError(cur.path, "nested arrays are not supported", key=key)
+    etype = cur.scalar("<I", "an array element type", key=key)
+    count = cur.scalar("<Q", "an array length", key=key)
+    try:
+        etype = V(etype)
+    except ValueError:
+        raise GGUFError(cur.path, f"unknown array element type {etype}", key=key) from None
+    if count == 0:
+        return []
+    if etype in _SCALARS:  # numeric arrays: one NumPy array (vocab scores, token types, ...)
+        dtype = np.dtype(_SCALARS[etype][1])
+        start = cur.need(count * dtype.itemsize, f"an array of {count} {etype.name}", key=key)
+        arr = np.frombuffer(cur.buf, dtype, count, start)
+        return arr.astype(bool) if etype == V.BOOL else arr.astype(dtype.newbyteorder("="))
+    if etype == V.STRING:
+        if count > (cur.size - cur.pos) // 8:  # each string needs at least its 8-byte length
+            raise GGUFError(cur.path, f"array of {count} strings cannot fit in the file (truncated?)", key=key)
+        return [cur.text(f"string {i} of the array", key=key) for i in range(count)]
+    raise GGUFError(cur.path, "nested arrays are not supported", key=key)
+
+
+def _tensor_layout(path, infos, data_start, alignment, file_size) -> None:
+    """Check offsets, alignment and extents of the tensor infos (see the module docstring)."""
+    for name, qtype, shape, offset, n_bytes in infos:
+        if offset % alignment:
+            raise GGUFError(path, f"data offset {offset} is not aligned to {alignment}", tensor=name)
+        start = data_start + offset
+        if start + n_bytes > file_size:
+            raise GGUFError(path, f"data of {n_bytes} bytes at offset {start} runs past the end of the file "
+                                  f"({file_size} bytes; truncated file?)", tensor=name)
+    by_offset = sorted(infos, key=lambda t: t[3])
+    for i, (name, qtype, shape, offset, n_bytes) in enumerate(by_offset):
+        nxt = by_offset[i + 1] if i + 1 < len(by_offset) else None
+        extent = (nxt[3] if nxt else file_size - data_start) - offset
+        what = f"shape {list(shape)} of {qtype.name} needs {n_bytes} bytes"
+        if n_bytes > extent:
+            raise GGUFError(path, f"{what} but its data overlaps tensor {nxt[0]!r} after {extent} bytes",
+                            tensor=name)
+        padded = -(-n_bytes // alignment) * alignment
+        if extent > padded:
+            after = f"before tensor {nxt[0]!r}" if nxt else "to the end of the file"
+            raise GGUFError(path, f"{what} but its data extent is {extent} bytes {after} "
+                                  "(shape and data disagree)", tensor=name)
+
+
+def _tensor_info(cur: _Cursor, index: int):
+    """One tensor-info record -> (name, qtype, NumPy-order shape, offset, n_bytes)."""
+    where = {"tensor": f"#{index}"}
+    raw = cur.raw_string(f"the name of tensor #{index}", **where)
+    try:
+        name = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise GGUFError(cur.path, "tensor name is not valid UTF-8",
+                        tensor=raw.decode("utf-8", errors="replace")) from None
+    where = {"tensor": name}
+    n_dims = cur.scalar("<I", "the dimension count", **where)
+    if not 1 <= n_dims <= MAX_DIMS:
+        raise GGUFError(cur.path, f"has {n_dims} dimensions; ggml allows 1 to {MAX_DIMS}", **where)
+    ne = [cur.scalar("<Q", "a dimension", **where) for _ in range(n_dims)]
+    raw_type = cur.scalar("<I", "the ggml type", **where)
+    offset = cur.scalar("<Q", "the data offset", **where)
+    try:
+        qtype = GGMLQuantizationType(raw_type)
+        block_elems, block_bytes = GGML_QUANT_SIZES[qtype]
+    except (ValueError, KeyError):
+        raise GGUFError(cur.path, f"has unknown ggml type id {raw_type}", **where) from None
+    if 0 in ne:
+        raise GGUFError(cur.path, f"has a zero dimension in ne={ne}", **where)
+    if any(d >= 2**62 for d in ne) or int(np.prod([float(d) for d in ne])) >= 2**62:
+        raise GGUFError(cur.path, f"dimensions ne={ne} are impossibly large", **where)
+    if ne[0] % block_elems:
+        raise GGUFError(cur.path, f"row length {ne[0]} is not a multiple of the {qtype.name} block size "
+                                  f"{block_elems}", **where)
+    n_bytes = int(np.prod(ne, dtype=np.int64)) // block_elems * block_bytes
+    return name, qtype, tuple(reversed(ne)), offset, n_bytes
+
+
 class GGUFFile:
-    """A memory-mapped GGUF file: ``metadata`` (key → Python value) and ``tensors`` (name → TensorInfo)."""
+    """A memory-mapped GGUF file: ``metadata`` (key → Python value) and ``tensors`` (name → TensorInfo).
+
+    Attributes:
+      metadata: key → value (ints, floats, bools, str; numeric arrays as NumPy arrays, string
+        arrays as lists of str).
+      value_types: key → the GGUFValueType the file stores it as (ARRAY for arrays).
+      tensors: name → TensorInfo, in file order.
+      version, alignment, data_offset: header facts.
+    """
 
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
         if not os.path.isfile(self.path):
             raise GGUFError(self.path, "no such file")
-        if os.path.getsize(self.path) < 24:
-            raise GGUFError(self.path, "file too small to be GGUF (truncated?)")
-        try:
-            reader = _CheckedReader(self.path)
-        except GGUFError:
-            raise
-        except _TruncatedRead as e:
-            raise GGUFError(self.path, f"truncated header: a read {e}") from None
-        except (ValueError, KeyError, UnicodeDecodeError, IndexError, OverflowError, MemoryError) as e:
-            raise GGUFError(self.path, _describe_reader_error(e)) from None
-        self.version = int(reader.fields["GGUF.version"].parts[0][0])
-        self.alignment = int(reader.alignment)
-        self.data_offset = int(reader.data_offset)
+        size = os.path.getsize(self.path)
+        if size < 24:
+            raise GGUFError(self.path, f"file of {size} bytes is too small to be GGUF (truncated?)")
+        self._map = np.memmap(self.path, mode="r")
+        cur = _Cursor(self.path, memoryview(self._map))
+        magic = bytes(cur.buf[0:4])
+        if magic != _MAGIC:
+            raise GGUFError(self.path, f"not a GGUF file (magic {magic!r}, expected {_MAGIC!r})")
+        cur.pos = 4
+        self.version = cur.scalar("<I", "the version")
+        if self.version not in SUPPORTED_VERSIONS:
+            swapped = int.from_bytes(self.version.to_bytes(4, "little"), "big")
+            hint = " (a big-endian file?)" if swapped in SUPPORTED_VERSIONS else ""
+            raise GGUFError(self.path, f"unsupported GGUF version {self.version}{hint}; "
+                                       f"supported: {', '.join(map(str, SUPPORTED_VERSIONS))}")
+        n_tensors = cur.scalar("<Q", "the tensor count")
+        n_kv = cur.scalar("<Q", "the metadata count")
+        # No check of the counts up front: every record consumes >= 13 bytes and every read is
+        # bounds-checked, so a bogus count ends at the first read it makes impossible, and the
+        # error names the key or tensor being read there.
         self.metadata: dict[str, Any] = {}
-        for name, field in reader.fields.items():
-            if name.startswith("GGUF."):
-                continue
+        self.value_types: dict[str, GGUFValueType] = {}
+        for i in range(n_kv):
+            raw = cur.raw_string(f"metadata key #{i}", key=f"#{i}")
             try:
-                self.metadata[name] = _field_value(field)
+                key = raw.decode("utf-8")
             except UnicodeDecodeError:
-                raise GGUFError(self.path, "string value is not valid UTF-8", key=name) from None
+                raise GGUFError(self.path, "metadata key is not valid UTF-8",
+                                key=raw.decode("utf-8", errors="replace")) from None
+            if key in self.metadata:
+                raise GGUFError(self.path, "duplicate metadata key", key=key)
+            vtype = cur.scalar("<I", "a metadata value type", key=key)
+            self.metadata[key] = _read_value(cur, vtype, key)
+            self.value_types[key] = V(vtype)
+        self.alignment = DEFAULT_ALIGNMENT
+        if "general.alignment" in self.metadata:
+            a = self.metadata["general.alignment"]
+            if self.value_types["general.alignment"] != V.UINT32 or a == 0 or a & (a - 1):
+                raise GGUFError(self.path, f"must be a UINT32 power of two, found {a!r}", key="general.alignment")
+            self.alignment = int(a)
+        infos = []
+        names = set()
+        for i in range(n_tensors):
+            info = _tensor_info(cur, i)
+            if info[0] in names:
+                raise GGUFError(self.path, "duplicate tensor name", tensor=info[0])
+            names.add(info[0])
+            infos.append(info)
+        self.data_offset = -(-cur.pos // self.alignment) * self.alignment
+        _tensor_layout(self.path, infos, self.data_offset, self.alignment, size)
         self.tensors: dict[str, TensorInfo] = {}
-        for t in reader.tensors:
-            qtype = GGMLQuantizationType(t.tensor_type)
-            self.tensors[t.name] = TensorInfo(
-                name=t.name,
-                qtype=qtype,
-                shape=tuple(int(d) for d in reversed(t.shape.tolist())),
-                data=t.data,
-                offset=int(t.data_offset),
-            )
-        self._reader = reader  # keeps the memmap alive
+        for name, qtype, shape, offset, n_bytes in infos:
+            start = self.data_offset + offset
+            view = self._map[start:start + n_bytes]
+            if qtype in PLAIN_DTYPES:
+                view = view.view(PLAIN_DTYPES[qtype]).reshape(shape)
+            else:
+                view = view.reshape(*shape[:-1], -1)  # [..., row_bytes]
+            self.tensors[name] = TensorInfo(name, qtype, shape, view, start)
 
     # --- metadata -------------------------------------------------------------------------
     @property
     def architecture(self) -> str:
-        arch = self.require("general.architecture")
-        if not isinstance(arch, str):
-            raise GGUFError(self.path, "must be a string", key="general.architecture")
-        return arch
+        return self.require("general.architecture", str)
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)
@@ -182,7 +289,7 @@ class GGUFFile:
             raise GGUFError(self.path, "required metadata key is missing", key=key)
         value = self.metadata[key]
         if kind is not None and not _is_kind(value, kind):
-            raise GGUFError(self.path, f"expected {_kind_name(kind)}, found {type(value).__name__}", key=key)
+            raise GGUFError(self.path, f"expected {_kind_name(kind)}, found {_type_name(value)}", key=key)
         return value
 
     def arch_key(self, suffix: str, kind=None, default: Any = ...) -> Any:
@@ -217,28 +324,6 @@ def check_architecture(gf: GGUFFile, supported: list[str] | tuple[str, ...]) -> 
     return arch
 
 
-def _field_value(field: ReaderField) -> Any:
-    main = field.types[0]
-    if main == GGUFValueType.ARRAY:
-        sub = field.types[-1] if len(field.types) > 1 else None
-        if sub is None:  # empty array
-            return []
-        if sub == GGUFValueType.STRING:
-            return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
-        if sub == GGUFValueType.ARRAY:
-            raise ValueError("nested arrays are not supported")
-        # Numeric arrays: one contiguous NumPy array (vocab scores, token types, …).
-        return np.concatenate([field.parts[i] for i in field.data]) if field.data else np.array([])
-    if main == GGUFValueType.STRING:
-        return bytes(field.parts[-1]).decode("utf-8")
-    value = field.parts[-1][0]
-    if main == GGUFValueType.BOOL:
-        return bool(value)
-    if main in (GGUFValueType.FLOAT32, GGUFValueType.FLOAT64):
-        return float(value)
-    return int(value)
-
-
 def _is_kind(value, kind) -> bool:
     kinds = kind if isinstance(kind, tuple) else (kind,)
     if isinstance(value, bool) and bool not in kinds:
@@ -253,14 +338,5 @@ def _kind_name(kind) -> str:
     return " or ".join(k.__name__ for k in kinds)
 
 
-def _describe_reader_error(e: Exception) -> str:
-    msg = str(e)
-    if "magic" in msg.lower():
-        return "not a GGUF file (bad magic)"
-    if "version" in msg.lower():
-        return f"unsupported GGUF version: {msg}"
-    if isinstance(e, KeyError):
-        return f"duplicate metadata key: {msg}"
-    if "field type" in msg.lower():
-        return f"unknown metadata value type: {msg}"
-    return f"malformed GGUF: {type(e).__name__}: {msg}"
+def _type_name(value) -> str:
+    return "array" if isinstance(value, (list, np.ndarray)) else type(value).__name__
