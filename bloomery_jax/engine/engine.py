@@ -115,8 +115,9 @@ class Engine:
     def free_slots(self) -> int:
         return self.n_slots - len(self.live)
 
-    def add(self, prompt: Seq[int], params: sampling.SamplingParams) -> Sequence:
-        """Start a sequence in a free slot. ConfigError on a bad prompt or bad parameters."""
+    def check_request(self, prompt: Seq[int], params: sampling.SamplingParams) -> list[int]:
+        """The prompt as a list of ints; ConfigError for an empty or too long prompt, an id
+        outside the vocabulary, or an impossible sampling value."""
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise ConfigError("prompt is empty: it needs at least one token")
@@ -126,6 +127,11 @@ class Engine:
         if bad:
             raise ConfigError(f"prompt token id {bad[0]} is not in [0, {self.n_vocab})")
         params.validate(self.n_vocab, self.n_top)
+        return prompt
+
+    def add(self, prompt: Seq[int], params: sampling.SamplingParams) -> Sequence:
+        """Start a sequence in a free slot. ConfigError on a bad prompt or bad parameters."""
+        prompt = self.check_request(prompt, params)
         if not self.free_slots:
             raise ConfigError(f"all {self.n_slots} slots are busy")
         seq = Sequence(prompt, len(prompt), params, slot=len(self.live))
