@@ -52,6 +52,9 @@ class Config:
     yarn_beta_fast: float = 32.0
     yarn_beta_slow: float = 1.0
     tied_embeddings: bool = False
+    # Not from the file: "ggml-cpu" rounds matmul activations as llama.cpp's CPU backend does
+    # (ops/actquant.py), to compare with it on quantized files; "none" is the exact reference.
+    act_rounding: str = "none"
 
     @property
     def q_dim(self) -> int:
@@ -230,27 +233,28 @@ class Routing:
 def _attention_block(params, cfg: Config, i: int, x, cos, sin, positions, cache: KVCache, mask):
     b = f"blk.{i}."
     B, T, _ = x.shape
+    ar = cfg.act_rounding
     h = rms_norm(x, as_f32(params[b + "attn_norm.weight"]), cfg.rms_eps)
-    q = qmatmul(h, params[b + "attn_q.weight"]).reshape(B, T, cfg.n_heads, cfg.head_dim)  # [B, T, Hq, Dh]
-    k = qmatmul(h, params[b + "attn_k.weight"]).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)  # [B, T, Hkv, Dh]
-    v = qmatmul(h, params[b + "attn_v.weight"]).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
+    q = qmatmul(h, params[b + "attn_q.weight"], ar).reshape(B, T, cfg.n_heads, cfg.head_dim)  # [B, T, Hq, Dh]
+    k = qmatmul(h, params[b + "attn_k.weight"], ar).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)  # [B, T, Hkv, Dh]
+    v = qmatmul(h, params[b + "attn_v.weight"], ar).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
     # Qwen3: per-head RMSNorm of q and k before the rotation.
     q = apply_rope(rms_norm(q, as_f32(params[b + "attn_q_norm.weight"]), cfg.rms_eps), cos, sin, neox=True)
     k = apply_rope(rms_norm(k, as_f32(params[b + "attn_k_norm.weight"]), cfg.rms_eps), cos, sin, neox=True)
     cache = cache.write(i, k, v, positions)
     k_all, v_all = cache.layer(i)  # [B, S, Hkv, Dh]
     o = gqa_attention(q, k_all, v_all, mask, cfg.attn_scale).reshape(B, T, cfg.q_dim)  # [B, T, Hq*Dh]
-    return x + qmatmul(o, params[b + "attn_output.weight"]), cache
+    return x + qmatmul(o, params[b + "attn_output.weight"], ar), cache
 
 
 def _moe_block(params, cfg: Config, i: int, x):
     b = f"blk.{i}."
     B, T, D = x.shape
     h = rms_norm(x, as_f32(params[b + "ffn_norm.weight"]), cfg.rms_eps).reshape(B * T, D)  # [N, D]
-    router_logits = qmatmul(h, params[b + "ffn_gate_inp.weight"])  # [N, E]
+    router_logits = qmatmul(h, params[b + "ffn_gate_inp.weight"], cfg.act_rounding)  # [N, E]
     experts, weights, margin = route_topk(router_logits, cfg.n_experts_used)  # [N, k], [N, k], [N]
     y = moe_swiglu(h, experts, weights, params[b + "ffn_gate_exps.weight"],
-                   params[b + "ffn_up_exps.weight"], params[b + "ffn_down_exps.weight"])  # [N, D]
+                   params[b + "ffn_up_exps.weight"], params[b + "ffn_down_exps.weight"], cfg.act_rounding)  # [N, D]
     k = cfg.n_experts_used
     return x + y.reshape(B, T, D), (experts.reshape(B, T, k), weights.reshape(B, T, k), margin.reshape(B, T))
 
@@ -283,7 +287,7 @@ def forward(params, cfg: Config, tokens, positions, cache: KVCache, placement=No
         routes.append(route)
     x = rms_norm(x, as_f32(params["output_norm.weight"]), cfg.rms_eps)
     out_w = params.get("output.weight", params["token_embd.weight"])  # tied when output is absent
-    logits = qmatmul(x, out_w)  # [B, T, V]
+    logits = qmatmul(x, out_w, cfg.act_rounding)  # [B, T, V]
     routing = Routing(*(jnp.stack(parts) for parts in zip(*routes)))
     return logits, cache, routing
 

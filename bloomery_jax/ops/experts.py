@@ -16,7 +16,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .qmatmul import as_f32
+from .actquant import round_activations
+from .qmatmul import as_f32, weight_qtype
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -46,7 +47,8 @@ def grouped_matmul(x_sorted: jax.Array, w: jax.Array, group_sizes: jax.Array) ->
     return jax.lax.ragged_dot_general(x_sorted, w, group_sizes, _GROUPED_DN, precision=HIGHEST)
 
 
-def moe_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate, up, down) -> jax.Array:
+def moe_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate, up, down,
+               act_rounding: str = "none") -> jax.Array:
     """Weighted sum of the chosen SwiGLU experts of every token.
 
     Args:
@@ -54,6 +56,7 @@ def moe_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate, up, d
       experts: int32 ``[N, k]`` chosen experts.
       weights: float32 ``[N, k]`` their weights.
       gate, up: QTensor or array ``[E, F, D]``; down: ``[E, D, F]`` (F expert hidden size).
+      act_rounding: ``"none"`` or ``"ggml-cpu"`` (see ``ops/actquant.py``).
     Returns:
       float32 ``[N, D]``.
     """
@@ -63,8 +66,12 @@ def moe_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate, up, d
     flat = experts.reshape(N * k)  # [P] pairs, token-major
     order = jnp.argsort(flat, stable=True)  # [P] pair ids grouped by expert
     group_sizes = jnp.bincount(flat, length=n_exp).astype(jnp.int32)  # [E]
-    xs = x.astype(jnp.float32)[order // k]  # [P, D]
-    h = swiglu(grouped_matmul(xs, wg, group_sizes), grouped_matmul(xs, wu, group_sizes))  # [P, F]
+    x = x.astype(jnp.float32)
+    rows = order // k  # [P] token of each sorted pair
+    xg = round_activations(x, weight_qtype(gate), act_rounding)[rows]  # [P, D]
+    xu = round_activations(x, weight_qtype(up), act_rounding)[rows]
+    h = swiglu(grouped_matmul(xg, wg, group_sizes), grouped_matmul(xu, wu, group_sizes))  # [P, F]
+    h = round_activations(h, weight_qtype(down), act_rounding)
     y = grouped_matmul(h, wd, group_sizes)  # [P, D]
     inv = jnp.argsort(order)  # [P]: sorted row of each token-major pair
     y = y[inv].reshape(N, k, -1) * weights[:, :, None]  # [N, k, D]

@@ -2,7 +2,8 @@
 
 This is the slow twin every fused kernel is checked against: values are exactly the
 file's dequantized values (``QTensor.dequantize``) and the product is float32 with
-``Precision.HIGHEST`` (no bf16 passes on accelerators).
+``Precision.HIGHEST`` (no bf16 passes on accelerators). ``act_rounding="ggml-cpu"`` first
+rounds the activations as llama.cpp's CPU backend does (see ``ops/actquant.py``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from ..quant import QTensor, dequantize
+from .actquant import round_activations
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -22,17 +24,23 @@ def as_f32(w) -> jax.Array:
     return jnp.asarray(w, jnp.float32)
 
 
-def qmatmul(x: jax.Array, w) -> jax.Array:
+def weight_qtype(w) -> int:
+    """The ggml type of a weight (plain arrays count as F32)."""
+    return w.qtype if isinstance(w, QTensor) else 0
+
+
+def qmatmul(x: jax.Array, w, act_rounding: str = "none") -> jax.Array:
     """``x @ w.T`` for a GGUF weight ``w`` of shape ``[N, K]`` (K inputs to N outputs).
 
     Args:
       x: float ``[..., K]``.
       w: QTensor or array ``[N, K]``.
+      act_rounding: ``"none"`` or ``"ggml-cpu"`` (round ``x`` as llama.cpp's CPU backend).
     Returns:
       float32 ``[..., N]``.
     """
-    wf = as_f32(w)
-    return jnp.einsum("...k,nk->...n", x.astype(jnp.float32), wf, precision=HIGHEST)
+    x = round_activations(x.astype(jnp.float32), weight_qtype(w), act_rounding)
+    return jnp.einsum("...k,nk->...n", x, as_f32(w), precision=HIGHEST)
 
 
 def take_rows(w, rows: jax.Array) -> jax.Array:

@@ -1,0 +1,80 @@
+"""Optional emulation of ggml's CPU activation rounding before quantized matmuls.
+
+llama.cpp's CPU backend never multiplies a quantized weight by float32 activations: it first
+converts each activation row to the weight type's ``vec_dot_type`` (``type_traits_cpu`` in
+ggml-cpu.c) and takes integer dot products. The exact reference path (``act_rounding="none"``)
+skips that; ``"ggml-cpu"`` rounds the activations the same way, so our logits on a quantized
+file can be compared with llama.cpp's tightly instead of only by KL divergence. The integer
+dot products themselves equal the float32 product of the rounded values up to float32 rounding.
+
+Roundings (per row of K inputs, blocks along K):
+  * K-quants and IQ4_XS → Q8_K, blocks of 256: ``iscale = -127 / x[argmax |x|]`` (float32),
+    ``q = min(127, rint(iscale * x))``, value ``q * (1 / iscale)``.
+  * Q4_0/Q5_0/Q8_0/IQ4_NL (Q8_0) and Q4_1/Q5_1 (Q8_1), blocks of 32:
+    ``q = rint(x * 127 / amax)``, value ``q * f16(amax / 127)``.
+  * F16 → float16, BF16 → bfloat16 (round to nearest even); F32 → unchanged.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from gguf import GGMLQuantizationType as T
+
+ACT_ROUNDINGS = ("none", "ggml-cpu")
+
+_Q8_K_TYPES = frozenset({T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS})
+_Q8_0_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL})
+
+
+def _blocks(x: jax.Array, size: int) -> jax.Array:
+    if x.shape[-1] % size:
+        raise ValueError(f"activation rows of {x.shape[-1]} are not a multiple of {size}")
+    return x.reshape(*x.shape[:-1], x.shape[-1] // size, size)  # [..., K/size, size]
+
+
+def _q8_k(x: jax.Array) -> jax.Array:
+    b = _blocks(x, 256)
+    idx = jnp.argmax(jnp.abs(b), axis=-1, keepdims=True)  # first element of largest |x|, as ggml's scan
+    signed_max = jnp.take_along_axis(b, idx, axis=-1)  # [..., K/256, 1]
+    nonzero = signed_max != 0
+    iscale = jnp.where(nonzero, jnp.float32(-127.0) / jnp.where(nonzero, signed_max, 1), 0)
+    q = jnp.minimum(jnp.round(iscale * b), 127)  # jnp.round is half-to-even, like ggml's nearest_int
+    d = jnp.where(nonzero, 1 / jnp.where(nonzero, iscale, 1), 0)
+    return (q * d).reshape(x.shape)
+
+
+def _q8_0(x: jax.Array) -> jax.Array:
+    b = _blocks(x, 32)
+    amax = jnp.max(jnp.abs(b), axis=-1, keepdims=True)  # [..., K/32, 1]
+    nonzero = amax != 0
+    inv = jnp.where(nonzero, jnp.float32(127.0) / jnp.where(nonzero, amax, 1), 0)
+    d16 = (amax / jnp.float32(127.0)).astype(jnp.float16).astype(jnp.float32)  # the block stores d as f16
+    return (jnp.round(b * inv) * d16).reshape(x.shape)
+
+
+def round_activations(x: jax.Array, weight_qtype, mode: str = "none") -> jax.Array:
+    """``x`` as the matmul with a weight of ``weight_qtype`` sees it under ``mode``.
+
+    Args:
+      x: float32 ``[..., K]`` activations.
+      weight_qtype: the ggml type of the weight it multiplies.
+      mode: ``"none"`` (exact reference) or ``"ggml-cpu"``.
+    Returns:
+      float32 ``[..., K]``.
+    """
+    if mode == "none":
+        return x
+    if mode != "ggml-cpu":
+        raise ValueError(f"unknown activation rounding {mode!r} (have: {', '.join(ACT_ROUNDINGS)})")
+    qtype = T(weight_qtype)
+    x = x.astype(jnp.float32)
+    if qtype in _Q8_K_TYPES:
+        return _q8_k(x)
+    if qtype in _Q8_0_TYPES:
+        return _q8_0(x)
+    if qtype == T.F16:
+        return x.astype(jnp.float16).astype(jnp.float32)
+    if qtype == T.BF16:
+        return x.astype(jnp.bfloat16).astype(jnp.float32)
+    return x
