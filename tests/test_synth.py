@@ -118,6 +118,15 @@ def test_row_length_fallbacks(want, cols, got):
     assert qt == got and want.name in note and got.name in note
 
 
+def test_q4_k_m_output_with_short_rows_is_q8_0():
+    # llama.cpp's own output rule (not the generic fallback): rows of 320 cannot take Q6_K
+    cfg = make_config(d_model=320, n_heads=5, n_kv_heads=1, head_dim=64)
+    out, note = policy.tensor_type(_spec(cfg, "output.weight"), "Q4_K_M", n_layers=2, n_experts=8)
+    assert out == T.Q8_0 and note is None
+    emb, note = policy.tensor_type(_spec(cfg, "token_embd.weight"), "Q4_K_M", n_layers=2, n_experts=8)
+    assert emb == T.Q5_0 and "Q4_K -> Q5_0" in note
+
+
 def test_fallbacks_are_reported(synth_model):
     _, report = synth_model(qtype="Q4_K", **SHAPE_B)
     downs = [f for f in report.fallbacks if "ffn_down_exps" in f]
@@ -267,6 +276,12 @@ def test_llama_cpp_loads_and_is_peaked(synth_model, llama_model, qtype, shape):
     mp = _llama_max_probs(llama_model(path), n_vocab)
     # Logit std 5 gives an expected mean max-prob ~0.5 here; 0.1 is > 38x uniform (1/384).
     assert mp.mean() > 0.1, mp
+
+
+@pytest.mark.llamacpp
+def test_llama_cpp_loads_the_twin(synth_model, llama_model):
+    path, report = synth_model(qtype="Q4_K_M", twin=True, **SHAPE_B)
+    assert _llama_max_probs(llama_model(report.twin_path), report.config["n_vocab"]).mean() > 0.1
 
 
 @pytest.mark.llamacpp
