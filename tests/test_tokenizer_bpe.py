@@ -266,3 +266,12 @@ def test_short_token_type_array_is_a_gguf_error(tmp_path):
 
 def test_every_supported_pre_is_tested():
     assert set(PRES) == set(SUPPORTED_PRE)
+
+
+def test_repeated_token_text_is_a_gguf_error(tmp_path):
+    # llama.cpp aborts (an assertion in its loader) on such a file; we refuse it cleanly.
+    entries = byte_bpe_vocab(400)
+    entries["tokenizer.ggml.tokens"][-1] = entries["tokenizer.ggml.tokens"][100]
+    path = write_vocab(tmp_path / "bad.gguf", entries)
+    with pytest.raises(GGUFError, match=r"appears twice \(ids 100 and 399\).*tokenizer.ggml.tokens"):
+        Tokenizer.from_gguf(GGUFFile(path))

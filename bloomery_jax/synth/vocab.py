@@ -140,7 +140,8 @@ def byte_bpe_vocab(n_vocab: int, pre: str = "qwen2", seed: int = 0) -> dict[str,
     while len(tokens) < n_vocab:  # the corpus ran out of pairs to merge
         tokens.append(f"[PAD{len(tokens)}]")
         types.append(UNUSED)
-
+    if len(set(tokens)) != len(tokens):
+        raise ConfigError("byte_bpe_vocab: the trained vocabulary repeats a token text")
     endoftext, _im_start, im_end = range(first_special, first_special + 3)
     return {
         "tokenizer.ggml.model": "gpt2",
@@ -200,6 +201,8 @@ def sentencepiece_vocab(n_vocab: int, seed: int = 0, add_space_prefix: bool = Fa
         tokens.append(f"<unused{len(tokens) - len(head) - len(pieces)}>")
         types.append(CONTROL)
         scores.append(-1000.0)
+    if len(set(tokens)) != len(tokens):
+        raise ConfigError("sentencepiece_vocab: a trained piece repeats a special token's text")
     return {
         "tokenizer.ggml.model": "llama",
         "tokenizer.ggml.pre": "default",

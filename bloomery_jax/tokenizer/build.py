@@ -27,7 +27,7 @@ SPACE = "\u2581"  # SentencePiece's visible space
 
 
 def token_to_id(vocab: Vocab) -> dict[str, int]:
-    """Text -> id; for a text listed twice the later id wins, as in llama.cpp."""
+    """Text -> id (read_vocab has checked that every text is listed once)."""
     return {t: i for i, t in enumerate(vocab.tokens)}
 
 

@@ -117,6 +117,13 @@ def read_vocab(gf) -> Vocab:
         raise GGUFError(path, "must be a non-empty array of strings", key="tokenizer.ggml.tokens")
     n = len(tokens)
     tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
+    if len(set(tokens)) != n:  # llama.cpp aborts on such a file (an assertion in its loader)
+        seen: dict[str, int] = {}
+        for i, t in enumerate(tokens):
+            if t in seen:
+                raise GGUFError(path, f"token text {t!r} appears twice (ids {seen[t]} and {i})",
+                                key="tokenizer.ggml.tokens")
+            seen[t] = i
     types = _int_array(gf, "tokenizer.ggml.token_type", n, default=NORMAL)
     scores = _float_array(gf, "tokenizer.ggml.scores", n)
     for i, t in enumerate(tokens):
