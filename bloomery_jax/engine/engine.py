@@ -103,9 +103,12 @@ class Engine:
         self.n_slots = n_slots
         self.n_top = n_top
         rows = self.buckets[-1]  # the largest bucket's window must fit in the cache
-        self.cache = SlotCache.for_config(cfg, rows, max_context, kv_dtype)
         empty = sampling.row_arrays(sampling.SamplingParams(temperature=0.0), self.n_vocab)
-        self.sampler = sampling.make_rows([empty] * rows)
+        # Committed to the device like every step output: jit keys committed and uncommitted
+        # arrays apart, so fresh uncommitted state would compile each step a second time.
+        device = jax.devices()[0]
+        self.cache = jax.device_put(SlotCache.for_config(cfg, rows, max_context, kv_dtype), device)
+        self.sampler = jax.device_put(sampling.make_rows([empty] * rows), device)
         self.steps = StepFunctions(model.module.forward, cfg, n_top)
         self.live: list[Sequence] = []  # live[i].slot == i
         self.last_routing = None
@@ -226,6 +229,15 @@ class Engine:
             result.append(Sampled(t, float(logprob[r]), [(int(i), float(v)) for i, v in zip(top_ids[r, :k], top_lp[r, :k])]))
         return result
 
+    def prefill_plan(self, n_tokens: int) -> list[int]:
+        """The padded chunk lengths that feeding ``n_tokens`` pending tokens will use, in order."""
+        plan = []
+        while n_tokens > 1:  # the last single pending token goes through decode
+            n = min(n_tokens, self.ubatch)
+            plan.append(bucket_for(self.chunks, n))
+            n_tokens -= n
+        return plan
+
     # --- compilation ------------------------------------------------------------------------
     def warmup(self, progress: Callable[[str], None] | None = None, chunks: Seq[int] | None = None,
                buckets: Seq[int] | None = None) -> float:
@@ -235,7 +247,9 @@ class Engine:
         """
         t0 = time.perf_counter()
         S = self.max_context
-        todo = [("prefill", T) for T in (chunks or self.chunks)] + [("decode", b) for b in (buckets or self.buckets)]
+        chunks = self.chunks if chunks is None else chunks
+        buckets = self.buckets if buckets is None else buckets
+        todo = [("prefill", T) for T in chunks] + [("decode", b) for b in buckets]
         for i, (kind, n) in enumerate(todo):
             if progress:
                 progress(f"compiling {kind} {n} ({i + 1}/{len(todo)}, {time.perf_counter() - t0:.1f} s)")
@@ -248,6 +262,12 @@ class Engine:
                                         np.zeros(n, np.int32), np.full(n, S, np.int32), np.zeros(n, bool))
             self.cache, self.sampler = res[0], res[1]
             jax.block_until_ready(res[2])
+        # The slot operations, as no-ops on slot 0, so that admitting and releasing never compile.
+        n0 = int(self.slot_lengths()[0])
+        self.cache = cache_ops.move_slot(cache_ops.set_length(self.cache, 0, n0), 0, 0)
+        row0 = sampling.SamplerRows(*(x[0] for x in sampling.take_rows(self.sampler, 0, 1)))
+        self.sampler = self.steps.move_row(self.steps.set_row(self.sampler, 0, row0), 0, 0)
+        jax.block_until_ready(self.sampler)
         return time.perf_counter() - t0
 
     def slot_lengths(self) -> np.ndarray:
