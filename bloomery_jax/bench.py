@@ -1,0 +1,200 @@
+"""``python -m bloomery_jax.bench``: llama-bench-style prefill and decode speed.
+
+    python -m bloomery_jax.bench --model M.gguf -p 512 -n 128 --parallel 1,2 --reps 5
+    python -m bloomery_jax.bench --model M.gguf -p 512 -n 128 --depth 4096 --json
+
+For each ``--parallel`` P, P sequences of random prompt tokens run together on one engine:
+``pp<p>`` times feeding p prompt tokens of every sequence (one sequence's chunk per step,
+``--ubatch`` tokens at most), ``tg<n>`` times n decode steps, each producing one token of every
+sequence; the rate counts all sequences' tokens together. With ``--depth D`` each sequence first
+holds D tokens in its cache (untimed). Each test runs once as a warm-up, then ``--reps`` times;
+a record gives the median and the min-max of tokens/s. Decoding is greedy (the sampler's cheap
+branch; llama-bench does not sample at all).
+
+Every record carries a source witness (bloomery_jax.witness): git commit, number of dirty
+tracked files (unknown, never 0, when git cannot tell), package versions, device. Loading and
+compiling print a progress line and their times on stderr; the table (or ``--json``, one JSON
+object per line) goes to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from .engine.steps import bucket_for
+from .errors import BloomeryError, ConfigError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line instead of usage + message
+        raise ConfigError(f"{self.prog}: {message}")
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m bloomery_jax.bench", description=__doc__.split("\n")[0])
+    p.add_argument("--model", help="GGUF file (default: the embedded Gemma 3 270M)")
+    p.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens per sequence (0 = no pp test)")
+    p.add_argument("-n", "--n-gen", type=int, default=128, help="generated tokens per sequence (0 = no tg test)")
+    p.add_argument("--parallel", type=_int_list, default=[1], help="sequences at once, e.g. 1,2 (default 1)")
+    p.add_argument("-d", "--depth", type=int, default=0, help="tokens already in each cache (default 0)")
+    p.add_argument("-r", "--reps", type=int, default=5, help="timed repetitions after one warm-up (default 5)")
+    p.add_argument("--ubatch", type=int, default=512, help="prompt tokens per prefill step (<= 4096)")
+    p.add_argument("--kv-dtype", default="float32", help="float32 | bfloat16 | float16")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompt tokens")
+    p.add_argument("--json", action="store_true", help="one JSON record per line instead of a table")
+    p.add_argument("--no-compile-cache", action="store_true", help="do not use the persistent compilation cache")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    return p
+
+
+def _timed_prefill(engine, seqs) -> float:
+    """Seconds to feed every sequence's pending tokens (the last sample syncs the device)."""
+    t0 = time.perf_counter()
+    for s in seqs:
+        while s.pending > 1:
+            engine.prefill(s)
+    rest = [s for s in seqs if s.pending == 1 and s.n_generated == 0]
+    if rest:  # a prompt whose last token was left alone after a full chunk: fed by one decode
+        engine.decode(rest)
+    return time.perf_counter() - t0
+
+
+def _timed_decode(engine, seqs, n: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(n):
+        engine.decode(seqs)  # reads the sampled tokens back: each step is synchronous
+    return time.perf_counter() - t0
+
+
+def _fill_depth(engine, seqs, depth: int) -> None:
+    """Feed the first ``depth`` tokens of each sequence, untimed."""
+    for s in seqs:
+        while s.n_cached < depth:
+            engine.prefill(s, budget=depth - s.n_cached)
+
+
+def run_parallel(model, args, parallel: int, progress, rng) -> tuple[list[dict], float]:
+    """The pp and tg records for one parallel count, and the compile seconds."""
+    from .engine.engine import Engine
+    from .engine.sampling import SamplingParams
+
+    p, n, depth = args.n_prompt, args.n_gen, args.depth
+    prompt_len = depth + max(p, 1)
+    ctx = prompt_len + n + 1
+    engine = Engine(model, n_slots=parallel, max_context=ctx, ubatch=min(args.ubatch, 4096),
+                    kv_dtype=args.kv_dtype)
+    compile_s = engine.warmup(progress.update, chunks=_chunks_used(engine, depth, max(p, 1)),
+                              buckets=[bucket_for(engine.buckets, parallel)])
+    progress.done(f"parallel {parallel}: compiled in {compile_s:.2f} s")
+    greedy = SamplingParams(temperature=0.0)
+    pp, tg = [], []
+    for rep in range(args.reps + 1):
+        label = "warm-up" if rep == 0 else f"rep {rep}/{args.reps}"
+        progress.update(f"parallel {parallel}: {label}")
+        seqs = [engine.add(rng.integers(0, engine.n_vocab, prompt_len).tolist(), greedy) for _ in range(parallel)]
+        _fill_depth(engine, seqs, depth)
+        if p > 0:
+            t = _timed_prefill(engine, seqs)
+            if rep:
+                pp.append(parallel * p / t)
+        else:
+            _timed_prefill(engine, seqs)
+        if n > 0:
+            t = _timed_decode(engine, seqs, n)
+            if rep:
+                tg.append(parallel * n / t)
+        for s in seqs:
+            engine.release(s)
+    progress.done(f"parallel {parallel}: {args.reps} repetitions done")
+    records = []
+    for test, samples, count in (("pp", pp, p), ("tg", tg, n)):
+        if count > 0:
+            records.append({"test": f"{test}{count}", "parallel": parallel, "depth": depth, "n_tokens": count,
+                            "tps_median": statistics.median(samples), "tps_min": min(samples),
+                            "tps_max": max(samples), "samples": samples})
+    return records, compile_s
+
+
+def _chunks_used(engine, depth: int, n_prompt: int) -> list[int]:
+    """Padded chunk lengths of filling ``depth`` tokens in budgeted chunks, then reading the prompt."""
+    fill = [min(engine.ubatch, depth - i) for i in range(0, depth, engine.ubatch)]
+    return sorted({bucket_for(engine.chunks, n) for n in fill} | set(engine.prefill_plan(n_prompt)))
+
+
+def run(argv: list[str] | None = None, out=None, err=None) -> list[dict]:
+    """Run the benchmark; prints the table or JSON lines to ``out``; returns the records."""
+    from .engine.startup import Progress, enable_compile_cache, open_model
+    from .witness import describe, source_witness
+
+    out = out or sys.stdout
+    args = _parser().parse_args(argv)
+    for name in ("n_prompt", "n_gen", "depth"):
+        if getattr(args, name) < 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if args.reps < 1:
+        raise ConfigError(f"--reps must be >= 1, got {args.reps}")
+    if args.n_prompt == 0 and args.n_gen == 0:
+        raise ConfigError("nothing to measure: -p and -n are both 0")
+    if not args.no_compile_cache:
+        enable_compile_cache()
+    progress = Progress(err or sys.stderr, quiet=args.quiet)
+    model, _, load_s = open_model(args.model, progress)
+    witness = source_witness()
+    size = sum(int(t.data.nbytes) for t in model.gguf.tensors.values())
+    rng = np.random.default_rng(args.seed)
+    records = []
+    for parallel in args.parallel:
+        recs, compile_s = run_parallel(model, args, parallel, progress, rng)
+        for r in recs:
+            r.update(model=str(model.path), architecture=model.gguf.architecture, model_bytes=size,
+                     ubatch=args.ubatch, kv_dtype=args.kv_dtype, reps=args.reps, load_s=load_s,
+                     compile_s=compile_s, witness=witness)
+        records += recs
+    if args.json:
+        for r in records:
+            out.write(json.dumps(r) + "\n")
+    else:
+        out.write(format_table(records) + "\n" + describe(witness) + "\n")
+    return records
+
+
+def format_table(records: list[dict]) -> str:
+    """A markdown table in llama-bench's shape: one row per test and parallel count."""
+    head = "| model | size | backend | parallel | depth | test | t/s (median, min-max) |"
+    rows = [head, "|" + "|".join("---" for _ in range(head.count("|") - 1)) + "|"]
+    for r in records:
+        name = r["model"].rsplit("/", 1)[-1]
+        size = f"{r['model_bytes'] / 2**30:.2f} GiB" if r["model_bytes"] >= 2**30 else f"{r['model_bytes'] / 2**20:.1f} MiB"
+        backend = r["witness"]["device"].get("platform") or "unknown"
+        rows.append(f"| {name} | {size} | {backend} | {r['parallel']} | {r['depth']} | {r['test']} | "
+                    f"{r['tps_median']:.2f} ({r['tps_min']:.2f}-{r['tps_max']:.2f}) |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        run(argv)
+    except BloomeryError as e:
+        print(f"error: {e}".replace("\n", " "), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

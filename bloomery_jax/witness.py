@@ -1,0 +1,94 @@
+"""Source witness for benchmark records: which code, which packages, which device produced them.
+
+Contract. :func:`source_witness` returns a JSON-ready dict:
+
+- ``commit``: ``git rev-parse HEAD`` of the checkout holding this package, or None;
+- ``dirty_tracked``: how many tracked files differ from that commit, or None;
+- ``packages``: versions of jax, jaxlib, numpy, gguf and bloomery_jax (None when one is absent);
+- ``device``: platform, device kind and count of ``jax.devices()``; ``python``: its version.
+
+None means *unknown* (no git, not a checkout, git failed): a count that cannot be read is never
+reported as 0, since 0 would claim a clean tree. :func:`describe` renders it on one line with
+"unknown" in those places. Git is run with ``--no-optional-locks`` so a benchmark never takes
+the index lock from someone committing in the same checkout.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+PACKAGES = ("jax", "jaxlib", "numpy", "gguf", "bloomery-jax")
+
+
+def _git(repo: Path, *args: str) -> str | None:
+    try:
+        res = subprocess.run(["git", "--no-optional-locks", "-C", str(repo), *args], capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return res.stdout if res.returncode == 0 else None
+
+
+def git_state(repo: str | os.PathLike | None = None) -> tuple[str | None, int | None]:
+    """(commit, number of dirty tracked files) of ``repo`` (default: this package's checkout)."""
+    repo = Path(repo) if repo is not None else Path(__file__).resolve().parent.parent
+    top = _git(repo, "rev-parse", "--show-toplevel")
+    if top is None:
+        return None, None
+    # Only trust a checkout that really holds this package (not some enclosing repository).
+    if repo.resolve() != Path(top.strip()).resolve() and not (repo / ".git").exists():
+        return None, None
+    head = _git(repo, "rev-parse", "HEAD")
+    status = _git(repo, "status", "--porcelain", "--untracked-files=no")
+    commit = head.strip() if head else None
+    dirty = None if status is None else sum(1 for line in status.splitlines() if line.strip())
+    return commit, dirty
+
+
+def package_versions() -> dict[str, str | None]:
+    out = {}
+    for name in PACKAGES:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    if out.get("bloomery-jax") is None:
+        from . import __version__
+
+        out["bloomery-jax"] = __version__
+    return out
+
+
+def device_info() -> dict[str, object]:
+    try:
+        import jax
+
+        devs = jax.devices()
+        return {"platform": devs[0].platform, "kind": devs[0].device_kind, "count": len(devs)}
+    except Exception as e:  # a broken backend is itself worth recording
+        return {"platform": None, "kind": None, "count": None, "error": f"{type(e).__name__}: {e}"}
+
+
+def source_witness(repo: str | os.PathLike | None = None) -> dict[str, object]:
+    """The witness dict (see the module docstring)."""
+    commit, dirty = git_state(repo)
+    return {"commit": commit, "dirty_tracked": dirty, "packages": package_versions(), "device": device_info(),
+            "python": platform.python_version()}
+
+
+def describe(w: dict[str, object]) -> str:
+    """One line: ``commit abc123def456 (2 dirty tracked files) | jax 0.11.2 ... | cpu: cpu x1``."""
+    def unknown(v):
+        return "unknown" if v is None else v
+
+    commit = unknown(w["commit"])
+    commit = commit[:12] if commit != "unknown" else commit
+    dirty = w["dirty_tracked"]
+    dirty_s = "unknown dirty state" if dirty is None else f"{dirty} dirty tracked file{'s' if dirty != 1 else ''}"
+    pkgs = " ".join(f"{k} {unknown(v)}" for k, v in w["packages"].items())
+    d = w["device"]
+    return f"commit {commit} ({dirty_s}) | {pkgs} | {unknown(d.get('platform'))}: {unknown(d.get('kind'))} x{unknown(d.get('count'))}"
