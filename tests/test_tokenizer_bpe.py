@@ -18,7 +18,7 @@ from bloomery_jax.synth.vocab import (
 )
 from bloomery_jax.tokenizer import SUPPORTED_PRE, Tokenizer
 
-CORPUS = json.loads((Path(__file__).parent / "data" / "tokenizer_corpus.json").read_text())
+CORPUS = json.loads((Path(__file__).parent / "data" / "tokenizer_corpus.json").read_text(encoding="utf-8"))
 PRES = ["qwen2", "llama-bpe", "deepseek-v3", "glm4", "default", "gpt-2"]
 
 

@@ -1,7 +1,7 @@
 """Pre-tokenizer splits against llama.cpp, made visible.
 
 The vocabulary here is trained with *no* pre-tokenization on random strings over an alphabet
-of awkward characters (every Unicode category the regexes test, odd whitespace, contractions,
+of awkward characters (tests/data/tokenizer_pieces.json: every Unicode category the regexes test, odd whitespace, contractions,
 digits of other scripts, emoji sequences), so it holds merges across every boundary a ``pre``
 regex may draw. Labelled with each supported ``pre``, the ids then differ from llama.cpp's as
 soon as one piece boundary differs (llama.cpp applies its own regex engines: hand-written
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import gguf
 import pytest
@@ -22,17 +23,7 @@ from bloomery_jax.tokenizer import SUPPORTED_PRE, Tokenizer
 
 pytestmark = pytest.mark.llamacpp
 
-PIECES = [
-    "a", "Z", "é", "ß", "ǅ", "1", "23", "٣", "²", "½", "Ⅻ", " ", "  ", "   ", "\t", "\n", "\n\n", "\r", "\r\n",
-    "\u00a0", "\u3000", "\u2009", "\u200b", "\u200d", "\u200e", "\u2028", "\u2029", "\u1680", "\u202f",
-    "\u205f", "\u180e", "\ufeff", "\u3164", "\x0b", "\x0c", "\x1c", "\x85", "\x00", "\x01", "\x7f",
-    "'s", "'T", "'re", "'LL", "'", '"', ".", ",", "!", "?", "...", "$", "+", "<", "=", ">", "^", "~", "|",
-    "`", "-", "_", "(", ")", "[", "]", "{", "}", "@", "#", "%", "&", "*", "/", "\\", ":", ";", "©",
-    "\ue000", "\ufffd", "\u0378", "\u02b0", "\u0300", "\u0301", "\u0488", "\u0640", "\u0e31",
-    "한", "국어", "中", "文字", "ひら", "カナ", "ｱ", "Ａ", "〃", "々", "ー", "・", "٫",
-    "😀", "👍🏽", "\U0001F3FB", "🇰🇷", "❤️", "\u0915\u094d", "ก", "م", "Ω", "ж", "İ", "ǈ", "ﬁ",
-    "𝒜", "𐐀", "𠀀", "<|im_", "<b>",
-]
+PIECES = json.loads((Path(__file__).parent / "data" / "tokenizer_pieces.json").read_text(encoding="utf-8"))
 
 
 def random_text(rng: random.Random) -> str:
