@@ -119,12 +119,19 @@ def _padded(s: str, width: Any = 0, *_: Any) -> int:
     return max(len(s), width if isinstance(width, int) else 0)
 
 
-_STR_GROWTH = {
-    "center": _padded, "ljust": _padded, "rjust": _padded, "zfill": _padded,
-    "expandtabs": lambda s, tab=8, *_: len(s) + s.count("\t") * max(tab if isinstance(tab, int) else 8, 0),
-    "replace": lambda s, old="", new="", *_: len(s) + (s.count(old) if old else len(s) + 1)
-    * max(len(new) - len(old), 0) if isinstance(old, str) and isinstance(new, str) else len(s),
-}
+def _replaced(s: str, old: Any = "", new: Any = "", *_: Any) -> int:
+    if not (isinstance(old, str) and isinstance(new, str)):
+        return len(s)
+    hits = s.count(old) if old else len(s) + 1  # an empty ``old`` matches between all characters
+    return len(s) + hits * max(len(new) - len(old), 0)
+
+
+def _expanded(s: str, tab: Any = 8, *_: Any) -> int:
+    return len(s) + s.count("\t") * max(tab if isinstance(tab, int) else 8, 0)
+
+
+_STR_GROWTH = {"center": _padded, "ljust": _padded, "rjust": _padded, "zfill": _padded,
+               "expandtabs": _expanded, "replace": _replaced}
 _FORMAT_WIDTH = re.compile(r"%[-+ #0]*(\*|\d{6,})")  # a '*' width or one of 100000+ characters
 
 
@@ -311,7 +318,7 @@ class ChatTemplate:
                 width = rest[0] if rest and isinstance(rest[0], int) else 4
                 lim.size(len(text) + (text.count("\n") + 1) * max(width, 0), "indent filter")
             elif name == "replace":
-                lim.size(_STR_GROWTH["replace"](text, *rest[:2]), "replace filter")
+                lim.size(_replaced(text, *rest[:2]), "replace filter")
             elif name == "format" and _FORMAT_WIDTH.search(text):
                 raise ChatTemplateError("chat template format with a '*' or huge width is not allowed")
             result = fn(*args, **kwargs)
