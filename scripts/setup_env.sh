@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Creates .venv (Python 3.12) with the package, its test extras, and llama-cpp-python built for the CPU
-# with the flags the oracle tests need (see docs: the native/AMX build has segfaulted on these machines).
-# Idempotent: a second run installs only what changed.
+# Creates .venv (Python 3.12) with the package. With --test also the test extras and llama-cpp-python,
+# built for the CPU with the flags the oracle tests need (the native/AMX build has segfaulted on these
+# machines). Idempotent: a second run installs only what changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${BLOOMERY_PYTHON:-}
@@ -13,6 +13,8 @@ fi
 [ -x .venv/bin/python ] || $PY -m venv .venv
 .venv/bin/python -c 'import sys; assert sys.version_info >= (3, 12), "bloomery-jax needs Python >= 3.12"'
 .venv/bin/python -m pip install -q -U pip
+.venv/bin/python -m pip install -q -e .
+[ "${1:-}" = "--test" ] || exit 0
 .venv/bin/python -m pip install -q -e ".[test]"
 LLAMA_CPP_PYTHON_VERSION=0.3.36
 if ! .venv/bin/python -c "import llama_cpp, sys; sys.exit(llama_cpp.__version__ != '$LLAMA_CPP_PYTHON_VERSION')" 2>/dev/null; then

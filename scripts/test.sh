@@ -3,5 +3,5 @@
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -m "not slow"` or `-k gguf`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup_env.sh
+bash scripts/setup_env.sh --test
 exec .venv/bin/python -m pytest -q "$@"
