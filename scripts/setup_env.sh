@@ -13,9 +13,7 @@ fi
 [ -x .venv/bin/python ] || $PY -m venv .venv
 .venv/bin/python -c 'import sys; assert sys.version_info >= (3, 12), "bloomery-jax needs Python >= 3.12"'
 .venv/bin/python -m pip install -q -U pip
-.venv/bin/python -m pip install -q -e .
-[ "${1:-}" = "--test" ] || exit 0
-.venv/bin/python -m pip install -q -e ".[test]"
+if [ "${1:-}" = "--test" ]; then .venv/bin/python -m pip install -q -e ".[test]"; else .venv/bin/python -m pip install -q -e .; exit 0; fi
 LLAMA_CPP_PYTHON_VERSION=0.3.36
 if ! .venv/bin/python -c "import llama_cpp, sys; sys.exit(llama_cpp.__version__ != '$LLAMA_CPP_PYTHON_VERSION')" 2>/dev/null; then
   echo "building llama-cpp-python $LLAMA_CPP_PYTHON_VERSION for the CPU (3-4 minutes)..." >&2

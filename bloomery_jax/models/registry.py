@@ -14,6 +14,7 @@ from ..errors import UnsupportedArchitectureError
 # GGUF architecture string → module under bloomery_jax.models
 ARCHITECTURES = {
     "qwen3moe": "qwen3moe",
+    "gemma3": "gemma3",
 }
 
 

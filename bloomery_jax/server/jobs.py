@@ -48,6 +48,7 @@ class Job:
         self._loop = loop
         self._queue: asyncio.Queue[Event] = asyncio.Queue()
         self._getter: asyncio.Task | None = None
+        self._checked = time.monotonic()  # last client check
 
     # --- worker thread ------------------------------------------------------------------------
     def push(self, ev: Event) -> None:
@@ -60,7 +61,15 @@ class Job:
 
     # --- event loop ---------------------------------------------------------------------------
     async def next(self, http_request=None) -> Event:
-        """The next event; raises ClientGone when ``http_request``'s client has disconnected."""
+        """The next event; raises ClientGone when ``http_request``'s client has disconnected.
+
+        The client is checked every POLL_S seconds whether or not events keep coming (a busy
+        request always has one ready, and must still notice its client leaving).
+        """
+        if http_request is not None and time.monotonic() - self._checked >= POLL_S:
+            self._checked = time.monotonic()
+            if await http_request.is_disconnected():
+                raise ClientGone()
         while True:
             if self._getter is None:
                 self._getter = asyncio.ensure_future(self._queue.get())
@@ -68,6 +77,7 @@ class Job:
             if done:
                 ev, self._getter = self._getter.result(), None
                 return ev
+            self._checked = time.monotonic()
             if await http_request.is_disconnected():
                 raise ClientGone()
 
