@@ -23,9 +23,10 @@ import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from hypothesis import given, settings, strategies as st
 
-from bloomery_jax.quant import QUANTIZE_TYPES, dequantize, quantize
+from bloomery_jax.quant import QUANTIZE_TYPES, QuantizePool, dequantize, quantize
 
 quantize_mod = sys.modules["bloomery_jax.quant.quantize"]  # the package re-exports the function
+pool_mod = sys.modules["bloomery_jax.quant.quantize_pool"]
 
 # type: (measured relative RMS at seed 0, bound)
 RMS_BOUNDS = {
@@ -148,9 +149,22 @@ def test_property_any_scale_reads_back_finite_and_identically(qtype, exp, seed):
 
 def test_thread_count_does_not_change_bytes(monkeypatch):
     monkeypatch.setattr(quantize_mod, "_CHUNK_ELEMS", 4096)  # many chunks from a small input
+    monkeypatch.setattr(quantize_mod, "_THREAD_CHUNK_ELEMS", 4096)
     x = gauss(32, 1024, seed=3)
     for qtype in (T.Q4_K, T.Q6_K, T.Q8_0):
         assert np.array_equal(quantize(x, qtype, threads=1), quantize(x, qtype, threads=3))
+
+
+def test_process_pool_gives_the_same_bytes(monkeypatch):
+    monkeypatch.setattr(pool_mod, "_TASK_ELEMS", 4096)  # several tasks from a small input
+    x = gauss(24, 1024, seed=4).reshape(2, 12, 1024)
+    with QuantizePool(2) as pool:
+        for qtype in (T.Q4_K, T.Q8_0):
+            assert np.array_equal(pool.quantize(x, qtype), quantize(x, qtype, threads=1))
+        bad = x.copy()
+        bad[1, 5, 7] = np.inf
+        with pytest.raises(ValueError, match="non-finite"):  # a worker's error reaches the caller
+            pool.quantize(bad, T.Q4_K)
 
 
 def test_leading_axes_are_kept():

@@ -9,6 +9,7 @@ from .formats import SUPPORTED_TYPES, block_geometry, row_bytes
 from .dequant import dequantize
 from .qtensor import QTensor
 from .quantize import QUANTIZE_TYPES, quantize
+from .quantize_pool import QuantizePool
 
 __all__ = ["SUPPORTED_TYPES", "QUANTIZE_TYPES", "block_geometry", "row_bytes", "dequantize", "quantize",
-           "QTensor"]
+           "QuantizePool", "QTensor"]
