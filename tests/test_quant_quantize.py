@@ -159,7 +159,7 @@ def test_process_pool_gives_the_same_bytes(monkeypatch):
     monkeypatch.setattr(pool_mod, "_TASK_ELEMS", 4096)  # several tasks from a small input
     x = gauss(24, 1024, seed=4).reshape(2, 12, 1024)
     with QuantizePool(2) as pool:
-        for qtype in (T.Q4_K, T.Q8_0):
+        for qtype in (T.Q4_K, T.Q3_K, T.Q8_0):  # Q8_0 runs on threads, the K-quants in workers
             assert np.array_equal(pool.quantize(x, qtype), quantize(x, qtype, threads=1))
         bad = x.copy()
         bad[1, 5, 7] = np.inf

@@ -84,8 +84,8 @@ def quantize(x: np.ndarray, qtype, *, threads: int | None = None) -> np.ndarray:
         every value finite.
       qtype: a type in ``QUANTIZE_TYPES`` (GGMLQuantizationType or its integer id).
       threads: worker threads (default: every CPU this process may use). NumPy holds the
-        GIL between its calls, so threads scale poorly on the K-quants (~4.5x on 16 cores);
-        ``QuantizePool`` (worker processes) scales ~9x.
+        GIL between its calls, so threads scale only ~3-5x on the K-quants on 16 cores;
+        ``QuantizePool`` (worker processes) does better there (see its module).
     Returns:
       uint8 [..., row_bytes] with row_bytes = n / block_elems * block_bytes (for F32 / F16 /
       BF16 the values' own bytes).
