@@ -1,7 +1,10 @@
-"""Quantized GEMV for decode: ``y[B, N] = x[B, K] @ W[N, K]^T`` on plane-packed GGUF weights.
+"""Quantized GEMV for decode: ``y[B, N] = x[B, K] @ W[N, K]^T`` on repacked GGUF weights.
 
-One Pallas kernel (Triton lowering) per format: Q8_0, Q4_K, Q5_K, Q6_K in the layout of
-``quant.repack`` (a chunk of a row is W int32 words; plane p of the words is W consecutive
+``qgemv`` is the entry point; it dispatches on the weight's layout to the "rows" kernel
+(``qgemv_rows``, the default) or to the "planes" kernel of this file.
+
+The planes kernel: one Pallas kernel (Triton lowering) per format, Q8_0, Q4_K, Q5_K, Q6_K in
+the "planes" layout of ``quant.repack`` (a chunk of a row is W int32 words; plane p of the words is W consecutive
 elements sharing one scale). A program owns ``block_n`` rows and walks K chunk by chunk,
 ``chunks_per_step`` chunks per loop step; each plane is dequantized into a ``[block_n, W]``
 float32 tile and multiply-added into one ``[block_n, W]`` accumulator per row of x, summed
@@ -13,8 +16,11 @@ min is subtracted with one rounding, as in ggml). Only the sum order differs fro
 matmul: each accumulator element adds K / W products in sequence, then the W columns are
 summed, so |y - exact| <= (K / W + W) * 2^-24 * sum_k |x_k| |w_nk| (tests use this bound).
 
+It is compute-bound: each thread holds 4 columns of 8 sub-blocks, so every scale is rebuilt for
+4 elements (measured 2026-12-02 at ~20% of copy bandwidth; docs/LOG.md).
+
 The reference twin is ``x @ dequantize(W).T`` in float32 (``ops.qmatmul``).
-Launch parameters are data (``qgemv_tuned.TUNED``), measured by ``scripts/kernel_bench.py``.
+Launch parameters are data (``qgemv_tuned``), measured by ``scripts/kernel_bench.py``.
 """
 
 from __future__ import annotations
@@ -29,20 +35,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ..quant.repack import MAGIC, PackedWeight, k4_scale_min
-from .qgemv_tuned import DEFAULTS, TUNED
+from . import qgemv_rows
+from .qgemv_tuned import GemvConfig, pick_config
 
 F32 = jnp.float32
 TWO23 = 8388608.0  # 2^23: bitcast(MAGIC | q) - TWO23 == q exactly, with no int->float convert
-
-
-@dataclasses.dataclass(frozen=True)
-class GemvConfig:
-    """Launch parameters: rows per program, chunks per loop step, Triton warps and stages."""
-
-    block_n: int = 32
-    chunks_per_step: int = 2
-    num_warps: int = 4
-    num_stages: int = 3
+__all__ = ["GemvConfig", "pick_config", "qgemv", "rounding_depth"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,23 +158,48 @@ def _largest_divisor(n: int, cap: int, pow2: bool) -> int:
     return 1
 
 
-def pick_config(qtype, n: int, k: int) -> GemvConfig:
-    """The tuned launch parameters for this weight shape, else the format's default."""
-    name = T(qtype).name
-    row = TUNED.get((name, n, k)) or DEFAULTS.get(name)
-    return GemvConfig(*row) if row else GemvConfig()
+def rounding_depth(layout: str, qtype, k: int, config: GemvConfig) -> int:
+    """Longest chain of f32 roundings a product passes through in that kernel: the bound on
+    |y - exact| is depth * 2^-24 * sum_k |x_k| m_k (m from ``repack.scale_magnitudes``)."""
+    if layout == "rows":
+        return qgemv_rows.rounding_depth(qtype, k, config)
+    width = FORMATS[T(qtype)].width
+    return k // width + width
+
+
+def _planes_call(x2, w: PackedWeight, cfg: GemvConfig, interpret: bool) -> jax.Array:
+    qtype = T(w.qtype)
+    n, k = w.shape
+    fmt = FORMATS[qtype]
+    bn = _largest_divisor(n, cfg.block_n, pow2=True)
+    chunks = k // fmt.chunk
+    per_step = _largest_divisor(chunks, cfg.chunks_per_step, pow2=False)
+    arrays, specs = _weight_operands(w, bn)
+    nrows = x2.shape[0]
+    kernel = functools.partial(_kernel, fmt=fmt, nrows=nrows, steps=chunks // per_step, per_step=per_step)
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((nrows, n), F32),
+        grid=(n // bn,),
+        in_specs=[pl.BlockSpec((nrows, k), lambda i: (0, 0)), *specs],
+        out_specs=pl.BlockSpec((nrows, bn), lambda i: (0, i)),
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        interpret=interpret,
+        name=f"qgemv_planes_{qtype.name.lower()}",
+    )(x2, *arrays)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
 def qgemv(x: jax.Array, w: PackedWeight, *, config: GemvConfig | None = None,
           interpret: bool = False) -> jax.Array:
-    """``x @ W^T`` with float32 accumulation, W a 2-D plane-packed GGUF weight.
+    """``x @ W^T`` with float32 accumulation, W a 2-D repacked GGUF weight.
 
     Args:
       x: float ``[B, K]`` (B = 1..8) or ``[K]``; f32, bf16 or f16 (widened to f32 in-kernel).
-      w: PackedWeight ``[N, K]`` (``quant.repack``) of type Q8_0, Q4_K, Q5_K or Q6_K.
+      w: PackedWeight ``[N, K]`` (``quant.repack``, either layout) of type Q8_0, Q4_K, Q5_K or Q6_K.
       config: launch parameters; None picks ``pick_config``. ``block_n`` and
-        ``chunks_per_step`` are shrunk to the largest divisors of N and K / chunk.
+        ``chunks_per_step`` are shrunk to the largest divisors of N and K / chunk (powers of
+        two for the rows kernel).
       interpret: run the kernel with the Pallas interpreter (CPU tests).
     Returns:
       float32 ``[B, N]`` (``[N]`` for 1-D x).
@@ -189,22 +212,7 @@ def qgemv(x: jax.Array, w: PackedWeight, *, config: GemvConfig | None = None,
     x2 = x[None] if squeeze else x
     if x2.ndim != 2 or x2.shape[1] != k or not 1 <= x2.shape[0] <= 8:
         raise ValueError(f"qgemv: x must be [B<=8, {k}] or [{k}], got {x.shape}")
-    fmt = FORMATS[qtype]
-    cfg = config or pick_config(qtype, n, k)
-    bn = _largest_divisor(n, cfg.block_n, pow2=True)
-    chunks = k // fmt.chunk
-    per_step = _largest_divisor(chunks, cfg.chunks_per_step, pow2=False)
-    arrays, specs = _weight_operands(w, bn)
-    nrows = x2.shape[0]
-    kernel = functools.partial(_kernel, fmt=fmt, nrows=nrows, steps=chunks // per_step, per_step=per_step)
-    y = pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((nrows, n), F32),
-        grid=(n // bn,),
-        in_specs=[pl.BlockSpec((nrows, k), lambda i: (0, 0)), *specs],
-        out_specs=pl.BlockSpec((nrows, bn), lambda i: (0, i)),
-        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-        interpret=interpret,
-        name=f"qgemv_{qtype.name.lower()}",
-    )(x2, *arrays)
+    cfg = config or pick_config(w.layout, qtype.name, n, k)
+    call = qgemv_rows.rows_call if w.layout == "rows" else _planes_call
+    y = call(x2, w, cfg, interpret)
     return y[0] if squeeze else y

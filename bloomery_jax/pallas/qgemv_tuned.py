@@ -1,18 +1,41 @@
-"""Launch parameters of ``qgemv`` as data: (type, N, K) -> (block_n, chunks_per_step,
-num_warps, num_stages), and a default per type.
+"""Launch parameters of the GEMV kernels as data.
 
-Filled from ``scripts/kernel_bench.py`` runs on the H200 (benchmarks/, docs/LOG.md); a shape
-not listed uses its type's default. These values change speed only, never results.
+``TUNED[(layout, type, N, K)]`` and ``DEFAULTS[(layout, type)]`` hold (block_n,
+chunks_per_step, num_warps, num_stages), filled from ``scripts/kernel_bench.py`` runs on the
+H200 (benchmarks/, docs/LOG.md). They change speed only, never results.
 """
 
 from __future__ import annotations
 
-# placeholders until the first bench run
-DEFAULTS = {
-    "Q8_0": (32, 2, 4, 3),
-    "Q4_K": (32, 2, 4, 3),
-    "Q5_K": (32, 2, 4, 3),
-    "Q6_K": (32, 2, 4, 3),
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class GemvConfig:
+    """Launch parameters: rows per program, K-chunks per loop step, Triton warps and stages."""
+
+    block_n: int = 32
+    chunks_per_step: int = 2
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# "planes": best of the 2026-12-02 sweep at 8192x8192 (benchmarks/kernel_bench_2026-12-02.json)
+DEFAULTS: dict[tuple[str, str], tuple[int, int, int, int]] = {
+    ("planes", "Q8_0"): (32, 4, 8, 3),
+    ("planes", "Q4_K"): (32, 4, 8, 3),
+    ("planes", "Q5_K"): (32, 4, 8, 3),
+    ("planes", "Q6_K"): (16, 2, 8, 3),
+    ("rows", "Q8_0"): (16, 2, 4, 3),
+    ("rows", "Q4_K"): (16, 2, 4, 3),
+    ("rows", "Q5_K"): (16, 2, 4, 3),
+    ("rows", "Q6_K"): (16, 2, 4, 3),
 }
 
-TUNED: dict[tuple[str, int, int], tuple[int, int, int, int]] = {}
+TUNED: dict[tuple[str, str, int, int], tuple[int, int, int, int]] = {}
+
+
+def pick_config(layout: str, type_name: str, n: int, k: int) -> GemvConfig:
+    """The tuned launch parameters for this weight, else the layout's default for its type."""
+    row = TUNED.get((layout, type_name, n, k)) or DEFAULTS.get((layout, type_name))
+    return GemvConfig(*row) if row else GemvConfig()

@@ -58,6 +58,7 @@ class PackedWeight:
     qh: jax.Array | None = None
     qtype: int = dataclasses.field(default=0, metadata=dict(static=True))
     shape: tuple[int, ...] = dataclasses.field(default=(), metadata=dict(static=True))
+    layout: str = dataclasses.field(default="planes", metadata=dict(static=True))
 
     @property
     def nbytes(self) -> int:
@@ -153,17 +154,24 @@ def _q5_k(blocks: np.ndarray, lead: int) -> dict:
     return out
 
 
-def _q6_k(blocks: np.ndarray, lead: int) -> dict:
-    # block: ql[128] | qh[64] | scales[16] (int8) | d (f16)
+def _q6_values(blocks: np.ndarray) -> np.ndarray:
+    """The 6-bit quants of Q6_K blocks in element order: [..., G, 210] -> uint8 [..., G, 256]."""
     *rows, g, _ = blocks.shape
     ql = blocks[..., 0:128].reshape(*rows, g, 2, 64)
     qh = blocks[..., 128:192].reshape(*rows, g, 2, 1, 32)
-    low = _nibble_pairs(ql, 1, 64).reshape(*rows, g, 2, 128)  # [..., G, half, e']
+    # per 128-element half: ql byte l holds elements l (low nibble) and l + 64 (high);
+    # 2-bit field k of qh byte l holds the high bits of element 32 k + l
+    low = _nibble_pairs(ql, 1, 64).reshape(*rows, g, 2, 128)
     high = np.concatenate([(qh >> s) & 3 for s in (0, 2, 4, 6)], axis=-2).reshape(*rows, g, 2, 128)
-    # my planes: element e' = p * 16 + j of a half is plane p (= sub-block 8 h + p), column j
-    low = low.reshape(*rows, g, 2, 8, 16)
-    qs = _pack_planes(low, 4).reshape(*rows, g * 32)  # words (s, h, j)
-    high = high.reshape(*rows, g, 16, 16)  # [..., G, h*8+p, j]
+    return (low | (high << 4)).reshape(*rows, g, 256)
+
+
+def _q6_k(blocks: np.ndarray, lead: int) -> dict:
+    # block: ql[128] | qh[64] | scales[16] (int8) | d (f16)
+    *rows, g, _ = blocks.shape
+    q = _q6_values(blocks).reshape(*rows, g, 2, 8, 16)  # [..., G, half, plane, j]
+    qs = _pack_planes(q & 15, 4).reshape(*rows, g * 32)  # words (s, h, j)
+    high = (q >> 4).reshape(*rows, g, 16, 16)  # [..., G, h*8+p, j]
     qh_words = _pack_planes(high, 2).reshape(*rows, g * 16)  # words (s, j)
     sc = _u32(blocks[..., 192:208])  # [..., N, G, 4]
     d = _f16(blocks[..., 208:210]).reshape(*rows, g)
@@ -173,13 +181,68 @@ def _q6_k(blocks: np.ndarray, lead: int) -> dict:
 _REPACK = {T.Q8_0: _q8_0, T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k}
 
 
-def repack(raw: np.ndarray, qtype, shape) -> PackedWeight:
+# --- "rows" layout: every field rows-first, each sub-block's quants in its own words, in order
+
+
+def _natural_words(q: np.ndarray, bits: int) -> np.ndarray:
+    """Quants in element order packed LSB-first: [..., E] -> int32 [..., E * bits / 32]."""
+    per = 32 // bits
+    q = q.reshape(*q.shape[:-1], q.shape[-1] // per, per)  # [..., words, per]
+    return _pack_planes(q.swapaxes(-1, -2), bits)
+
+
+def _k4_fields(packed: np.ndarray) -> np.ndarray:
+    """The 12 packed scale bytes -> uint8 [..., 2, 8]: 6-bit scales, then 6-bit mins."""
+    a, b, c = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    sc = np.concatenate([a & 63, (c & 15) | ((a >> 6) << 4)], axis=-1)
+    mn = np.concatenate([b & 63, (c >> 4) | ((b >> 6) << 4)], axis=-1)
+    return np.stack([sc, mn], axis=-2)
+
+
+def _rows_q8_0(blocks: np.ndarray) -> dict:
+    *rows, nb, _ = blocks.shape
+    qs = _u32(blocks[..., 2:34]).reshape(*rows, nb // 4, 4, 8)  # [..., N, C, block, word]
+    return dict(qs=qs, d=_f16(blocks[..., 0:2]).reshape(*rows, nb // 4, 4))
+
+
+def _rows_k4(blocks: np.ndarray, qs_bytes: np.ndarray) -> dict:
+    *rows, g, _ = blocks.shape
+    q = _nibble_pairs(qs_bytes, 4, 32)  # [..., N, G, 8, 32]
+    return dict(qs=_natural_words(q, 4), sc=_k4_fields(blocks[..., 4:16]), d=_f16(blocks[..., 0:4]))
+
+
+def _rows_q4_k(blocks: np.ndarray) -> dict:
+    return _rows_k4(blocks, blocks[..., 16:144])
+
+
+def _rows_q5_k(blocks: np.ndarray) -> dict:
+    out = _rows_k4(blocks, blocks[..., 48:176])
+    qh = blocks[..., 16:48]  # bit s of byte j: 5th bit of sub-block s, element j
+    bits = np.stack([(qh >> s) & 1 for s in range(8)], axis=-2)  # [..., N, G, 8, 32]
+    out["qh"] = _natural_words(bits, 1)[..., 0]  # [..., N, G, 8]: one word a sub-block
+    return out
+
+
+def _rows_q6_k(blocks: np.ndarray) -> dict:
+    *rows, g, _ = blocks.shape
+    q = _q6_values(blocks).reshape(*rows, g, 16, 16)  # [..., N, G, sub-block, e]
+    return dict(qs=_natural_words(q & 15, 4), qh=_natural_words(q >> 4, 2)[..., 0],
+                sc=np.ascontiguousarray(blocks[..., 192:208]).view(np.int8),
+                d=_f16(blocks[..., 208:210]).reshape(*rows, g))
+
+
+_REPACK_ROWS = {T.Q8_0: _rows_q8_0, T.Q4_K: _rows_q4_k, T.Q5_K: _rows_q5_k, T.Q6_K: _rows_q6_k}
+LAYOUTS = ("planes", "rows")
+
+
+def repack(raw: np.ndarray, qtype, shape, layout: str = "rows") -> PackedWeight:
     """GGUF blocks of a ``[..., N, K]`` weight in the plane layout, values unchanged.
 
     Args:
       raw: uint8 ``[..., N, row_bytes]`` (any shape with that byte count), e.g. a memmap view.
       qtype: Q8_0, Q4_K, Q5_K or Q6_K.
       shape: logical shape ``[..., N, K]``; K a multiple of 256 (128 for Q8_0).
+      layout: "rows" (``qgemv`` default kernel) or "planes" (the first kernel; see docstring).
     Returns:
       PackedWeight whose arrays are on the default device.
     Raises:
@@ -190,10 +253,15 @@ def repack(raw: np.ndarray, qtype, shape) -> PackedWeight:
     if qtype not in _REPACK:
         names = ", ".join(t.name for t in PACKABLE)
         raise ValueError(f"repack: no GEMV layout for {qtype.name} (have {names})")
+    if layout not in LAYOUTS:
+        raise ValueError(f"repack: layout {layout!r} is not one of {LAYOUTS}")
     blocks = _blocks(raw, qtype, shape)
-    fields = _REPACK[qtype](blocks, len(shape) - 2)
+    if layout == "planes":
+        fields = _REPACK[qtype](blocks, len(shape) - 2)
+    else:
+        fields = _REPACK_ROWS[qtype](blocks)
     arrays = {k: jnp.asarray(v) for k, v in fields.items()}
-    return PackedWeight(**arrays, qtype=int(qtype), shape=shape)
+    return PackedWeight(**arrays, qtype=int(qtype), shape=shape, layout=layout)
 
 
 # ------------------------------------------------------------------------------------ jnp side
@@ -241,6 +309,8 @@ def dequantize_packed(pw: PackedWeight) -> jax.Array:
     each product is exact in f32, so only the final subtraction of the min rounds.
     """
     qtype = T(pw.qtype)
+    if pw.layout == "rows":
+        return _dequantize_rows(pw)
     *rows, k = pw.shape
     lead = len(rows) - 1
     if qtype == T.Q8_0:
@@ -272,3 +342,42 @@ def dequantize_packed(pw: PackedWeight) -> jax.Array:
     d = _f32(_rows_first(pw.d, lead))[..., None]  # [..., N, G, 1]
     dl = (d * _f32(sc)).reshape(*rows, g, 2, 8, 1)
     return (dl * _f32(q)).reshape(pw.shape)
+
+
+def _unpack_natural(words: jax.Array, bits: int) -> jax.Array:
+    """Inverse of _natural_words: int32 [..., n] -> int32 [..., n * 32 / bits] in element order."""
+    q = _planes(words, 32 // bits, bits)  # [..., per, n]
+    return q.swapaxes(-1, -2).reshape(*words.shape[:-1], words.shape[-1] * (32 // bits))
+
+
+def _dequantize_rows(pw: PackedWeight) -> jax.Array:
+    qtype = T(pw.qtype)
+    if qtype == T.Q8_0:
+        q = _unpack_natural(pw.qs, 8)  # [..., N, C, 4, 32]
+        q = (q ^ 0x80) - 0x80
+        return (_f32(pw.d)[..., None] * _f32(q)).reshape(pw.shape)
+    if qtype == T.Q6_K:
+        q = _unpack_natural(pw.qs, 4) | (_unpack_natural(pw.qh[..., None], 2) << 4)  # [..., N, G, 16, 16]
+        dl = _f32(pw.d)[..., None] * _f32(pw.sc)  # [..., N, G, 16]
+        return (dl[..., None] * _f32(q - 32)).reshape(pw.shape)
+    q = _unpack_natural(pw.qs, 4)  # [..., N, G, 8, 32]
+    if qtype == T.Q5_K:
+        q = q | (_unpack_natural(pw.qh[..., None], 1) << 4)
+    dm = _f32(pw.d)  # [..., N, G, 2]
+    dl = dm[..., 0:1] * _f32(pw.sc[..., 0, :])  # [..., N, G, 8]
+    ml = dm[..., 1:2] * _f32(pw.sc[..., 1, :])
+    return (dl[..., None] * _f32(q) - ml[..., None]).reshape(pw.shape)
+
+
+def scale_magnitudes(pw: PackedWeight) -> jax.Array:
+    """float32 ``pw.shape``: |scale * q| + |min| of every element (|w| for formats without a min).
+
+    The rows kernel multiplies sub-block sums by the scale and subtracts min * sum(x), so its
+    rounding error scales with these magnitudes, not with |w| (they differ where s q ~ m).
+    """
+    w = dequantize_packed(pw)
+    if T(pw.qtype) not in (T.Q4_K, T.Q5_K):
+        return jnp.abs(w)
+    mins = dataclasses.replace(pw, qs=jnp.zeros_like(pw.qs), qh=None if pw.qh is None else jnp.zeros_like(pw.qh))
+    m = -dequantize_packed(mins)  # q = 0 leaves -min
+    return jnp.abs(w + m) + jnp.abs(m)
