@@ -45,8 +45,10 @@ def git_state(repo: str | os.PathLike | None = None) -> tuple[str | None, int | 
     head = _git(repo, "rev-parse", "HEAD")
     status = _git(repo, "status", "--porcelain", "--untracked-files=no")
     commit = head.strip() if head else None
-    dirty = None if status is None else sum(1 for line in status.splitlines() if line.strip())
-    return commit, dirty
+    # Without a commit (no HEAD: an empty or copied repository) "clean" means nothing: unknown.
+    if commit is None or status is None:
+        return commit, None
+    return commit, sum(1 for line in status.splitlines() if line.strip())
 
 
 def package_versions() -> dict[str, str | None]:

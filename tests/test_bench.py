@@ -80,6 +80,10 @@ def test_witness_in_a_checkout_counts_dirty_files(tmp_path):
 
 def test_witness_unknown_is_none_never_zero(tmp_path, monkeypatch):
     assert witness.git_state(tmp_path) == (None, None)  # not a checkout
+    subprocess.run(["git", "-C", str(tmp_path), "init", "-q"], check=True)
+    (tmp_path / "a.txt").write_text("1")
+    # a repository without a commit (as a copied tree may be): the dirty count is unknown too
+    assert witness.git_state(tmp_path) == (None, None)
     monkeypatch.setenv("PATH", str(tmp_path))  # no git at all
     w = witness.source_witness()
     assert w["commit"] is None and w["dirty_tracked"] is None
