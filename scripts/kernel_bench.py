@@ -76,6 +76,7 @@ PLANES_BEST = {T.Q4_K: C(32, 4, 8, 3), T.Q6_K: C(16, 2, 8, 3), T.Q8_0: C(32, 4, 
 
 # (shape names, formats, rows sweep, batch sizes for the winner, planes kernel too)
 PLANS = {
+    "square": [(["square_8192"], [T.Q4_K, T.Q6_K], rows_big, [1], False)],
     "tiny": [(["tiny"], [T.Q4_K, T.Q6_K], lambda: [C(16, 1, 4, 3), C(32, 2, 4, 3)], [1, 2], True)],
     "full": [
         (["square_8192"], FORMATS, rows_big, [1, 8], True),
@@ -111,8 +112,10 @@ def time_calls(fn, args, min_total_s: float, repeats: int = 3) -> tuple[float, l
     samples = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        outs = [fn(*args) for _ in range(calls)]
-        jax.block_until_ready(outs)
+        out = None
+        for _ in range(calls):  # keep only the last output alive: 200 x 1 GiB would not fit
+            out = fn(*args)
+        jax.block_until_ready(out)
         samples.append((time.perf_counter() - t0) / calls)
     return statistics.median(samples), samples
 

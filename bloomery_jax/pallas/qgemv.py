@@ -1,7 +1,8 @@
 """Quantized GEMV for decode: ``y[B, N] = x[B, K] @ W[N, K]^T`` on repacked GGUF weights.
 
-``qgemv`` is the entry point; it dispatches on the weight's layout to the "rows" kernel
-(``qgemv_rows``, the default) or to the "planes" kernel of this file.
+``qgemv`` is the entry point; it dispatches on the weight's layout to the "planes" kernel of
+this file (the default layout, measured on the H200) or to the "rows" kernel (``qgemv_rows``,
+which cuts the per-element work but has not been timed on the GPU yet).
 
 The planes kernel: one Pallas kernel (Triton lowering) per format, Q8_0, Q4_K, Q5_K, Q6_K in
 the "planes" layout of ``quant.repack`` (a chunk of a row is W int32 words; plane p of the words is W consecutive

@@ -235,14 +235,15 @@ _REPACK_ROWS = {T.Q8_0: _rows_q8_0, T.Q4_K: _rows_q4_k, T.Q5_K: _rows_q5_k, T.Q6
 LAYOUTS = ("planes", "rows")
 
 
-def repack(raw: np.ndarray, qtype, shape, layout: str = "rows") -> PackedWeight:
+def repack(raw: np.ndarray, qtype, shape, layout: str = "planes") -> PackedWeight:
     """GGUF blocks of a ``[..., N, K]`` weight in the plane layout, values unchanged.
 
     Args:
       raw: uint8 ``[..., N, row_bytes]`` (any shape with that byte count), e.g. a memmap view.
       qtype: Q8_0, Q4_K, Q5_K or Q6_K.
       shape: logical shape ``[..., N, K]``; K a multiple of 256 (128 for Q8_0).
-      layout: "rows" (``qgemv`` default kernel) or "planes" (the first kernel; see docstring).
+      layout: "planes" (the kernel measured on the H200) or "rows" (its successor, built and
+        tested in interpret mode, not yet timed on the GPU; docs/LOG.md 2026-12-02).
     Returns:
       PackedWeight whose arrays are on the default device.
     Raises:

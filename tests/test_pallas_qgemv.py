@@ -1,0 +1,101 @@
+"""pallas.qgemv (both layouts, Pallas interpret mode on the CPU) against float64 and float32 references.
+
+Tolerance, derived per kernel (``qgemv.rounding_depth``): every weight the kernels form is the
+file's value or, in the rows kernel, its sub-block factors; each product then passes through at
+most ``depth`` f32 roundings (the sequential K-accumulation and the final sums), so
+    |y - y_f64| <= depth * 2^-24 * sum_k |x_k| m_k,   m = |s q| + |min| (= |w| without a min).
+Against the float32 reference ``x @ dequantize(W).T`` (Precision.HIGHEST), whose own sequential
+sum adds at most K roundings, the allowance is (depth + K) * 2^-24 * the same magnitude.
+A 1% margin covers second-order terms. Scales are finite here (inf scales make NaN rows).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+
+from bloomery_jax.pallas.qgemv import GemvConfig, qgemv, rounding_depth
+from bloomery_jax.quant import dequantize
+from bloomery_jax.quant.repack import PACKABLE, dequantize_packed, repack, scale_magnitudes
+
+U = 2.0 ** -24
+F16_FIELDS = {T.Q8_0: [0], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208]}
+
+
+def weight(qtype, n, k, rng):
+    """Random GGUF bytes [n, row_bytes] with finite f16 scales of both signs."""
+    elems, nbytes = GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (n * k // elems, nbytes), dtype=np.uint8)
+    for off in F16_FIELDS[qtype]:
+        v = rng.uniform(-0.02, 0.02, blocks.shape[0]).astype("<f2")
+        blocks[:, off:off + 2] = v.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(n, -1)
+
+
+def check(qtype, layout, n, k, b, cfg, rng, x_dtype=jnp.float32):
+    raw = weight(qtype, n, k, rng)
+    pw = repack(raw, qtype, (n, k), layout)
+    x = jnp.asarray(rng.standard_normal((b, k)), x_dtype)
+    y = np.asarray(qgemv(x, pw, config=cfg, interpret=True), np.float64)
+    xf = np.asarray(x.astype(jnp.float32), np.float64)
+    w64 = np.asarray(dequantize_packed(pw), np.float64)
+    mag = np.abs(xf) @ np.asarray(scale_magnitudes(pw), np.float64).T  # [B, N]
+    depth = rounding_depth(layout, qtype, k, cfg)
+    err64 = np.abs(y - xf @ w64.T)
+    assert (err64 <= 1.01 * depth * U * mag).all(), (err64 / (depth * U * mag)).max()
+    ref32 = np.asarray(jnp.einsum("bk,nk->bn", x.astype(jnp.float32), dequantize(raw, qtype, (n, k)),
+                                  precision=jax.lax.Precision.HIGHEST), np.float64)
+    err32 = np.abs(y - ref32)
+    assert (err32 <= 1.01 * (depth + k) * U * mag).all(), (err32 / ((depth + k) * U * mag)).max()
+    return y, xf, w64, mag, depth
+
+
+@pytest.mark.parametrize("layout", ["planes", "rows"])
+@pytest.mark.parametrize("qtype", PACKABLE, ids=lambda t: t.name)
+def test_matches_reference(qtype, layout):
+    # 2 programs of 16 rows, 2 loop steps of 1 chunk (Q8_0: 4 steps), 2 rows of x
+    check(qtype, layout, 32, 512, 2, GemvConfig(16, 1, 4, 3), np.random.default_rng(int(qtype)))
+
+
+@pytest.mark.parametrize("layout,qtype,b,cfg,dtype", [
+    ("rows", T.Q4_K, 1, GemvConfig(8, 2, 4, 3), jnp.bfloat16),  # 2 chunks a step, bf16 x
+    ("planes", T.Q6_K, 1, GemvConfig(8, 2, 4, 3), jnp.float32),
+    ("rows", T.Q5_K, 8, GemvConfig(32, 1, 4, 3), jnp.float32),  # the largest batch, one program
+])
+def test_other_launch_shapes(layout, qtype, b, cfg, dtype):
+    check(qtype, layout, 32, 512, b, cfg, np.random.default_rng(7), dtype)
+
+
+def test_one_dimensional_x():
+    rng = np.random.default_rng(3)
+    pw = repack(weight(T.Q8_0, 16, 256, rng), T.Q8_0, (16, 256), "rows")
+    x = jnp.asarray(rng.standard_normal(256), jnp.float32)
+    y1 = qgemv(x, pw, config=GemvConfig(16, 1, 4, 3), interpret=True)
+    y2 = qgemv(x[None], pw, config=GemvConfig(16, 1, 4, 3), interpret=True)
+    assert y1.shape == (16,)
+    np.testing.assert_array_equal(np.asarray(y1), np.asarray(y2)[0])  # same kernel, same order
+
+
+def test_bound_is_tight_enough_to_catch_a_wrong_weight():
+    # guards the tolerance: one quant off by one step moves y by |x_k s|, far above the bound
+    y, xf, w64, mag, depth = check(T.Q4_K, "rows", 16, 512, 1, GemvConfig(16, 1, 4, 3),
+                                   np.random.default_rng(11))
+    wrong = w64.copy()
+    step = np.abs(w64[0, 1:32] - w64[0, 0:31])
+    wrong[0, 5] += step[step > 0].min()
+    err = np.abs(y - xf @ wrong.T)[0, 0]
+    assert err > 1.01 * depth * U * mag[0, 0], (err, depth * U * mag[0, 0])
+
+
+def test_bad_shapes_raise():
+    pw = repack(weight(T.Q4_K, 8, 256, np.random.default_rng(0)), T.Q4_K, (8, 256), "rows")
+    with pytest.raises(ValueError, match=r"x must be \[B<=8, 256\]"):
+        qgemv(jnp.zeros((9, 256)), pw, interpret=True)
+    with pytest.raises(ValueError, match=r"x must be \[B<=8, 256\]"):
+        qgemv(jnp.zeros((1, 512)), pw, interpret=True)
+    stacked = repack(np.zeros((2, 8, 144), np.uint8), T.Q4_K, (2, 8, 256), "rows")
+    with pytest.raises(ValueError, match="needs a 2-D packed"):
+        qgemv(jnp.zeros((1, 256)), stacked, interpret=True)

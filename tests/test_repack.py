@@ -1,0 +1,102 @@
+"""quant.repack against quant.dequantize: the repacked blocks hold the file's values bit for bit.
+
+Tolerance: none. Outputs must have identical float32 bit patterns; two NaNs count as equal
+whatever their payload (a NaN scale makes NaNs, and XLA may pick another payload). Scale
+fields are also forced to f16 extremes (max, subnormals, zeros, inf, NaN), where a wrong
+widening or a reordered product would show.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+
+from bloomery_jax.quant import dequantize
+from bloomery_jax.quant.repack import LAYOUTS, PACKABLE, dequantize_packed, repack, scale_magnitudes
+
+F16_FIELDS = {T.Q8_0: [0], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208]}
+F16_EXTREMES = np.array([0x7BFF, 0xFBFF, 0x0001, 0x8001, 0x0000, 0x8000, 0x03FF, 0x0400,
+                         0x7C00, 0xFC00, 0x7E00], dtype=np.uint16)
+
+
+def random_raw(qtype, shape, rng, extremes=False):
+    """uint8 [..., N, row_bytes] random GGUF bytes; optionally extreme f16 scale fields."""
+    elems, nbytes = GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (int(np.prod(shape)) // elems, nbytes), dtype=np.uint8)
+    if extremes:
+        for k, off in enumerate(F16_FIELDS[qtype]):
+            v = np.resize(np.roll(F16_EXTREMES, k), blocks.shape[0]).astype("<u2")
+            blocks[:, off:off + 2] = v.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(*shape[:-1], -1)
+
+
+def assert_bit_exact(got, want):
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.dtype == np.float32 and got.shape == want.shape, (got.dtype, got.shape, want.shape)
+    bad = ~((got.view(np.uint32) == want.view(np.uint32)) | (np.isnan(got) & np.isnan(want)))
+    assert not bad.any(), f"{bad.sum()} of {bad.size} differ; first at {np.argwhere(bad)[0]}"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("qtype", PACKABLE, ids=lambda t: t.name)
+def test_values_bit_exact(qtype, layout):
+    rng = np.random.default_rng(int(qtype) * 3 + len(layout))
+    for shape, extremes in [((8, 512), False), ((8, 512), True), ((2, 3, 256), False)]:
+        raw = random_raw(qtype, shape, rng, extremes)
+        pw = repack(raw, qtype, shape, layout)
+        assert pw.shape == shape and pw.layout == layout
+        assert_bit_exact(dequantize_packed(pw), dequantize(raw, qtype, shape))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("qtype", PACKABLE, ids=lambda t: t.name)
+def test_byte_count(qtype, layout):
+    # planes moves bits only; rows stores the K-quants' 12 packed scale bytes as 16 plain bytes
+    shape = (4, 1024)
+    raw = random_raw(qtype, shape, np.random.default_rng(0))
+    extra = 4 * (1024 // 256) * 4 if layout == "rows" and qtype in (T.Q4_K, T.Q5_K) else 0
+    assert repack(raw, qtype, shape, layout).nbytes == raw.nbytes + extra
+
+
+def test_memmap_like_input_is_not_modified():
+    raw = random_raw(T.Q4_K, (2, 256), np.random.default_rng(1))
+    ro = raw.copy()
+    ro.setflags(write=False)  # GGUF tensors arrive as read-only memmap views
+    repack(ro, T.Q4_K, (2, 256), "rows")
+    np.testing.assert_array_equal(ro, raw)
+
+
+@pytest.mark.parametrize("qtype", PACKABLE, ids=lambda t: t.name)
+def test_scale_magnitudes(qtype):
+    # |s q| + |m| >= |w| always, with equality when there is no min (Q8_0, Q6_K)
+    raw = random_raw(qtype, (32, 256), np.random.default_rng(2))
+    for layout in LAYOUTS:
+        pw = repack(raw, qtype, (32, 256), layout)
+        w, mag = np.asarray(dequantize_packed(pw)), np.asarray(scale_magnitudes(pw))
+        ok = np.isfinite(w) & np.isfinite(mag)
+        if qtype in (T.Q4_K, T.Q5_K):
+            assert (mag[ok] >= np.abs(w[ok]) * (1 - 2 ** -23)).all()
+            assert (mag[ok] > np.abs(w[ok])).any()
+        else:
+            np.testing.assert_array_equal(mag[ok], np.abs(w[ok]))
+
+
+@pytest.mark.parametrize("args,match", [
+    ((np.zeros((1, 18), np.uint8), T.Q4_0, (1, 32)), "no GEMV layout for Q4_0"),
+    ((np.zeros((1, 34 * 4), np.uint8), T.Q8_0, (1, 96 + 32)), None),
+    ((np.zeros((1, 34 * 3), np.uint8), T.Q8_0, (1, 96)), "not a multiple of 128"),
+    ((np.zeros((1, 144), np.uint8), T.Q4_K, (2, 256)), r"needs uint8 bytes \(2, 144\), got uint8 \(1, 144\)"),
+    ((np.zeros((256,), np.uint8), T.Q4_K, (256,)), r"needs a matrix"),
+])
+def test_bad_input_raises(args, match):
+    if match is None:
+        repack(*args)  # the control: a fitting shape is accepted
+        return
+    with pytest.raises(ValueError, match=match):
+        repack(*args)
+
+
+def test_bad_layout_raises():
+    with pytest.raises(ValueError, match="layout 'cols' is not one of"):
+        repack(np.zeros((1, 144), np.uint8), T.Q4_K, (1, 256), "cols")
