@@ -104,7 +104,8 @@ def create_app(provider: Provider, api_key: str | None = None) -> FastAPI:
         running, waiting = provider.counts()
         n_slots = provider.engine.n_slots if provider.engine is not None else 0
         text = provider.metrics.render(running=running, queued=waiting, slots=n_slots,
-                                       queue_bound=provider.options.queue, kv_used=provider.kv_usage())
+                                       queue_bound=provider.options.queue, kv_used=provider.kv_usage(),
+                                       in_flight=provider.in_flight())
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/slots")

@@ -53,7 +53,8 @@ class Metrics:
         while self._recent and self._recent[0] < now - WINDOW_S:
             self._recent.popleft()
 
-    def render(self, *, running: int, queued: int, slots: int, queue_bound: int, kv_used: float) -> str:
+    def render(self, *, running: int, queued: int, slots: int, queue_bound: int, kv_used: float,
+               in_flight: int) -> str:
         """The exposition text."""
         now = time.perf_counter()
         with self._lock:
@@ -74,6 +75,8 @@ class Metrics:
                  [("", recent)]),
                 ("requests_processing", "gauge", "Requests holding a slot.", [("", running)]),
                 ("requests_deferred", "gauge", "Requests waiting for a slot.", [("", queued)]),
+                ("requests_in_flight", "gauge", "Requests submitted and not yet answered in full.",
+                 [("", in_flight)]),
                 ("slots_total", "gauge", "Sequence slots (--parallel).", [("", slots)]),
                 ("queue_bound", "gauge", "Most requests that may wait for a slot.", [("", queue_bound)]),
                 ("kv_cache_usage_ratio", "gauge", "Filled fraction of the KV cache.", [("", kv_used)]),

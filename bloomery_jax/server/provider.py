@@ -3,13 +3,12 @@
 Contract. ``Provider(options).start()`` loads in a background thread (the model file, its
 tokenizer and chat template, an :class:`~bloomery_jax.engine.engine.Engine` with
 ``options.parallel`` slots, compiling every step shape, and a
-:class:`~bloomery_jax.engine.scheduler.Scheduler` whose queue holds ``options.queue``
-requests), then starts the worker thread that steps the scheduler whenever there is work.
+:class:`~bloomery_jax.engine.scheduler.Scheduler`), then starts the worker thread that steps the scheduler whenever there is work.
 ``state`` is ``loading``, ``ready`` or ``failed`` (``error`` says why).
 
 From the event loop: :meth:`Provider.submit` queues a prepared request and returns a
-:class:`~bloomery_jax.server.jobs.Job` (503 with ``Retry-After`` when the queue is full, never
-blocking); :meth:`Provider.cancel` frees its slot before the next step. The worker forwards
+:class:`~bloomery_jax.server.jobs.Job` (503 with ``Retry-After`` when ``parallel + queue``
+requests are already in flight, never blocking); :meth:`Provider.cancel` frees its slot before the next step. The worker forwards
 each request's events to its job, cancels jobs past their time limit, and keeps the metrics.
 An engine failure fails every job in flight and marks the provider ``failed``; nothing a
 single request sends reaches the engine unvalidated.
@@ -129,7 +128,9 @@ class Provider:
         secs = engine.warmup(progress=self.log)
         self.log(f"compiled {len(engine.chunks)} prefill and {len(engine.buckets)} decode shapes in {secs:.1f} s")
         self.engine = engine
-        self.scheduler = Scheduler(engine, detokenizer=tok.detokenizer, max_queue=opts.queue)
+        # The bound is enforced in submit() on the requests in flight (see there); the scheduler's
+        # own bound, on requests not yet admitted, is only a backstop.
+        self.scheduler = Scheduler(engine, detokenizer=tok.detokenizer, max_queue=opts.queue + parallel)
         self._first_request(tok)
         name = os.path.basename(path)
         model_id = opts.alias or (name[: -len(".gguf")] if name.endswith(".gguf") else name)
@@ -167,12 +168,19 @@ class Provider:
 
     def submit(self, prepared: Prepared, loop: asyncio.AbstractEventLoop, prefix: str) -> Job:
         self.require_ready()
+        # Bound = slots + queue over the jobs in flight, not the scheduler's waiting list alone: a
+        # request arriving just after another finished must not be refused because the worker
+        # has not yet moved a waiting one into the freed slot. Only this thread adds jobs.
+        with self._jobs_lock:
+            in_flight = len(self._jobs)
         try:
+            if in_flight >= self.engine.n_slots + self.options.queue:
+                raise QueueFullError(f"{in_flight} requests in flight")
             req = self.scheduler.submit(prepared.prompt, prepared.params, prepared.stop)
         except QueueFullError:
             self.metrics.on_reject("queue_full")
-            raise unavailable(f"the server is busy: {self.scheduler.n_running} requests running and "
-                              f"{self.scheduler.n_waiting} waiting (the queue's bound); retry later") from None
+            raise unavailable(f"the server is busy: {self.engine.n_slots} slots and a queue of "
+                              f"{self.options.queue} are full; retry later") from None
         except ConfigError as e:
             self.metrics.on_reject("bad_request")
             raise APIError(400, str(e), code="invalid_value") from None
@@ -282,6 +290,11 @@ class Provider:
                             "stop": list(r.stop.stop_strings)})
             out.append(entry)
         return out
+
+    def in_flight(self) -> int:
+        """Jobs submitted whose finishing event has not been forwarded yet."""
+        with self._jobs_lock:
+            return len(self._jobs)
 
     def kv_usage(self) -> float:
         """Filled fraction of the slots' positions (from the running requests' lengths)."""
