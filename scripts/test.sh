@@ -4,4 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh --test
+# Default: everything but tests marked slow (they run with `bash scripts/test.sh -m slow`).
+if [ $# -eq 0 ]; then set -- -m "not slow"; fi
 exec .venv/bin/python -m pytest -q "$@"
