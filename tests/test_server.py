@@ -2,10 +2,10 @@
 
 One server subprocess (``python -m bloomery_jax.serve``) on a tiny synthetic qwen3moe model
 (F32, 2 layers, 512-token vocabulary) serves the whole module: 2 slots, a queue of 6, a
-context of 256, an API key. Raw sockets stand in for clients that disconnect or hold a slot.
-Texts of the random model are bytes soup; the tests compare them with each other (greedy is
-deterministic, so a request alone and beside others must give the same text) rather than
-with expected words.
+context of 1024, prefill chunks of up to 32 tokens, an API key. Raw sockets stand in for
+clients that disconnect or hold a slot. Texts of the random model are bytes soup; the tests
+compare them with each other (greedy is deterministic, so a request alone and beside others
+must give the same text) rather than with expected words.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def server(synth_model, tmp_path_factory):
     proc, port, seen = start_server(
         ["--model", str(path), "--parallel", str(PARALLEL), "--queue", str(QUEUE), "--api-key", KEY,
          "--timeout", "120", "--gin_param", f"RuntimeSettings.max_context = {N_CTX}",
-         "--gin_param", "RuntimeSettings.ubatch = 16"], log_path)
+         "--gin_param", "RuntimeSettings.ubatch = 32"], log_path)
     srv = Server(proc, port, log_path, seen)
     yield srv
     stop_server(proc)
@@ -288,6 +288,21 @@ def test_two_concurrent_streams_overlap_and_match_solo(server):
     assert a0 < b1 and b0 < a1, spans
 
 
+def test_long_prompt_beside_a_short_one(server):
+    # 200+ prompt tokens: prefilled in chunks of 32 (ubatch), one chunk per step beside the
+    # other request's decode steps; neither may change the other's greedy tokens.
+    long_text = " ".join(f"w{i}" for i in range(80))
+    n_long = len(server.http.post("/tokenize", json={"content": long_text}).json()["tokens"])
+    assert n_long > 4 * 32
+    prompts = [long_text, "short"]
+    solo = [server.client.completions.create(model=server.model, prompt=p, max_tokens=12, temperature=0)
+            .choices[0].text for p in prompts]
+    with ThreadPoolExecutor(2) as pool:
+        got = list(pool.map(lambda p: server.client.completions.create(
+            model=server.model, prompt=p, max_tokens=12, temperature=0).choices[0].text, prompts))
+    assert got == solo
+
+
 def test_time_limit_ends_a_request(server):
     r = chat(server, max_tokens=1000, logit_bias={"300": 100}, extra_body={"timeout": 0.5})
     assert r.choices[0].finish_reason == "length" and r.model_extra.get("stopped_by") == "time_limit"
@@ -357,6 +372,9 @@ BAD = [
     ("/v1/chat/completions", {"messages": MSG, "max_completion_tokens": -1}, "max_completion_tokens", None),
     ("/v1/chat/completions", {"messages": MSG, "presence_penalty": 9}, "presence_penalty", None),
     ("/v1/chat/completions", {"messages": MSG, "seed": 1.5}, "seed", None),
+    ("/v1/chat/completions", {"messages": MSG, "top_k": 10 ** 12}, "top_k", None),
+    ("/v1/chat/completions", {"messages": MSG, "repetition_penalty": 0}, "repetition_penalty", None),
+    ("/v1/chat/completions", b'{"messages": ' + b"[" * 100000 + b"]" * 100000 + b"}", None, "invalid_json"),
     ("/v1/chat/completions", {"messages": MSG, "n": 2}, "n", None),
     ("/v1/chat/completions", {"messages": MSG, "stream": "yes"}, "stream", None),
     ("/v1/chat/completions", {"messages": MSG, "stop": ["a", 3]}, "stop[1]", None),

@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds a request may take, queue wait included (default 600)")
     p.add_argument("--alias", help="the model name reported and accepted (default: the file name)")
+    p.add_argument("--full-warmup", action="store_true",
+                   help="compile every prefill chunk length before ready (default: the longer ones while idle)")
     p.add_argument("--compile-cache", help="persistent JAX compilation cache directory")
     p.add_argument("--no-compile-cache", action="store_true", help="do not keep compiled steps on disk")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
@@ -98,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     from .provider import Provider, ProviderOptions
 
     options = ProviderOptions(model=args.model, settings=settings, parallel=args.parallel, queue=args.queue,
-                              time_limit=args.timeout, alias=args.alias)
+                              time_limit=args.timeout, alias=args.alias, full_warmup=args.full_warmup)
     provider = Provider(options).start()
     server = uvicorn.Server(uvicorn.Config(create_app(provider, args.api_key), host=args.host, port=args.port,
                                            log_level=args.log_level, timeout_graceful_shutdown=5))

@@ -20,7 +20,7 @@ import secrets
 import threading
 
 from ..chat import ChatTemplate, ChatTemplateError
-from ..engine.sampling import SamplingParams
+from ..engine.sampling import SamplingParams, row_arrays
 from ..engine.stops import StopConditions
 from ..errors import ConfigError
 from .errors import bad_request
@@ -77,8 +77,11 @@ def sampling_params(bundle: ModelBundle, req, n_probs: int) -> SamplingParams:
         logit_bias=bias, seed=req.seed if req.seed is not None else secrets.randbits(63), n_probs=n_probs)
     try:
         params.validate(bundle.n_vocab)
-    except ConfigError as e:  # the schema's ranges are tighter; kept so no value slips through
-        raise bad_request(str(e), code="invalid_value") from None
+        # A dry run of the conversion the worker does at admission: a value that cannot become
+        # a device array must fail this request here, never the engine thread.
+        row_arrays(params, bundle.n_vocab)
+    except (ConfigError, OverflowError, ValueError, TypeError) as e:
+        raise bad_request(f"sampling parameters: {e}", code="invalid_value") from None
     return params
 
 

@@ -2,7 +2,9 @@
 
 Contract. ``Provider(options).start()`` loads in a background thread (the model file, its
 tokenizer and chat template, an :class:`~bloomery_jax.engine.engine.Engine` with
-``options.parallel`` slots, compiling every step shape, and a
+``options.parallel`` slots, compiling its decode steps and shortest prefill chunk (the
+longer chunks compile in the worker while it is idle, or all before ready with
+``full_warmup``), and a
 :class:`~bloomery_jax.engine.scheduler.Scheduler`), then starts the worker thread that steps the scheduler whenever there is work.
 ``state`` is ``loading``, ``ready`` or ``failed`` (``error`` says why).
 
@@ -55,6 +57,7 @@ class ProviderOptions:
     queue: int = 16
     time_limit: float = 600.0
     alias: str | None = None
+    full_warmup: bool = False  # compile every prefill chunk before ready (else the longer ones while idle)
 
 
 def _log(msg: str) -> None:
@@ -79,6 +82,8 @@ class Provider:
         self._work = threading.Event()
         self._stop = threading.Event()
         self._worker: threading.Thread | None = None
+        self._cold_chunks: list[int] = []  # prefill chunk lengths not compiled yet
+        self._last_busy = 0.0  # monotonic time of the last scheduler step
 
     # --- loading ----------------------------------------------------------------------------
     def start(self) -> "Provider":
@@ -125,8 +130,14 @@ class Provider:
         parallel = opts.parallel or st.parallel
         engine = Engine(model, n_slots=parallel, max_context=n_ctx, ubatch=min(st.ubatch, n_ctx),
                         kv_dtype=st.kv_dtype)
-        secs = engine.warmup(progress=self.log)
-        self.log(f"compiled {len(engine.chunks)} prefill and {len(engine.buckets)} decode shapes in {secs:.1f} s")
+        # Each shape costs seconds of tracing and compiling on a CPU; the decode buckets and the
+        # shortest prefill chunk are enough to serve, the longer chunks compile while idle.
+        first = engine.chunks if opts.full_warmup else engine.chunks[:1]
+        self._cold_chunks = [] if opts.full_warmup else list(engine.chunks[1:])
+        secs = engine.warmup(progress=self.log, chunks=first)
+        self.log(f"compiled {len(first)} prefill and {len(engine.buckets)} decode shapes in {secs:.1f} s"
+                 + (f" ({len(self._cold_chunks)} longer prefill chunks compile while idle)"
+                    if self._cold_chunks else ""))
         self.engine = engine
         # The bound is enforced in submit() on the requests in flight (see there); the scheduler's
         # own bound, on requests not yet admitted, is only a backstop.
@@ -219,11 +230,18 @@ class Provider:
             # Forward first: a job registered just after the step that finished it still gets its events.
             self._forward()
             if not sched.has_work():
+                # Idle for a second (not between the requests of a busy client): compile the next chunk.
+                if self._cold_chunks and time.monotonic() - self._last_busy > 1.0:
+                    T = self._cold_chunks.pop(0)
+                    secs = self.engine.warmup(chunks=[T], buckets=self.engine.buckets[:1])
+                    self.log(f"compiled prefill {T} while idle in {secs:.1f} s")
+                    continue
                 self._work.wait(timeout=0.5)
                 self._work.clear()
                 continue
             self._expire()
             sched.step()
+            self._last_busy = time.monotonic()
 
     def _expire(self) -> None:
         now = time.monotonic()
