@@ -210,6 +210,29 @@ def test_stream_equals_non_stream_and_ends_with_done(server):
     assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
 
 
+def test_tools_and_tool_turns_reach_the_template(server):
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    history = [{"role": "user", "content": "weather in Paris?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "c1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    plain = server.client.chat.completions.create(model=server.model, messages=history[:1], max_tokens=1)
+    with_tools = server.client.chat.completions.create(model=server.model, messages=history[:1], tools=tools,
+                                                       max_tokens=1)
+    # The ChatML template lists the tools (their JSON) in a system turn.
+    tool_json = json.dumps(tools[0], ensure_ascii=False)
+    n_tool = len(server.http.post("/tokenize", json={"content": tool_json}).json()["tokens"])
+    assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens + n_tool // 2
+    none = server.client.chat.completions.create(model=server.model, messages=history[:1], tools=tools,
+                                                 tool_choice="none", max_tokens=1)
+    assert none.usage.prompt_tokens == plain.usage.prompt_tokens
+    turns = server.client.chat.completions.create(model=server.model, messages=history, tools=tools, max_tokens=1)
+    assert turns.usage.prompt_tokens > with_tools.usage.prompt_tokens
+
+
 def test_completions_from_text_and_from_ids_agree(server):
     ids = server.http.post("/tokenize", json={"content": "once upon", "add_special": True}).json()["tokens"]
     a = server.client.completions.create(model=server.model, prompt="once upon", max_tokens=6, temperature=0)
@@ -385,6 +408,10 @@ BAD = [
     ("/v1/chat/completions", {"messages": MSG, "model": "gpt-4o"}, "model", "model_not_found"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * N_CTX}]}, "messages",
      "context_length_exceeded"),
+    ("/v1/chat/completions", {"messages": MSG, "chat_template_kwargs": {"range": [1]}}, "chat_template_kwargs",
+     None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages[0].content[0].type", None),
     ("/v1/completions", {"prompt": "a", "max_tokens": 0}, "max_tokens", None),
     ("/v1/completions", {"prompt": [1, 2, 70000]}, "prompt[2]", None),
     ("/v1/completions", {"prompt": [i % 500 for i in range(N_CTX)]}, "prompt", "context_length_exceeded"),

@@ -20,6 +20,7 @@ import traceback
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -175,8 +176,13 @@ def create_app(provider: Provider, api_key: str | None = None) -> FastAPI:
             return Response(status_code=499)  # nobody is listening; frees the handler
         model = provider.bundle.model_id
         if job.prepared.stream:
+            async def release():  # also runs when the client left before the body started
+                provider.cancel(job)
+                job.discard()
+
             body = _stream(provider, job, first, model, chat)
-            return StreamingResponse(body, media_type="text/event-stream", headers=_SSE_HEADERS)
+            return StreamingResponse(body, media_type="text/event-stream", headers=_SSE_HEADERS,
+                                     background=BackgroundTask(release))
         try:
             return await _collect(provider, job, first, model, chat, request)
         except ClientGone:

@@ -27,6 +27,9 @@ from .errors import bad_request
 from .schemas import ChatRequest, CompletionRequest
 
 DEFAULTS = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)
+_RESERVED = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "range",
+                       "namespace", "raise_exception", "strftime_now", "tojson", "dict", "lipsum", "cycler",
+                       "joiner"})
 
 
 @dataclasses.dataclass
@@ -125,8 +128,10 @@ def render_chat(bundle: ModelBundle, req: ChatRequest) -> str:
     if req.tools and req.tool_choice != "none":
         tools = [t.model_dump(exclude_none=True) for t in req.tools]
     extra = dict(req.chat_template_kwargs or {})
-    for reserved in ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token"):
-        extra.pop(reserved, None)
+    for name in list(extra):  # data only: never shadow the variables and helpers the template is given
+        if name in _RESERVED or name.startswith("_"):
+            raise bad_request(f"chat_template_kwargs: {name!r} may not be set", param="chat_template_kwargs",
+                              code="invalid_value")
     messages = [_message_dict(m) for m in req.messages]
     try:
         with bundle.template_lock:
