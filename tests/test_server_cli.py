@@ -48,7 +48,8 @@ def test_bad_gin_binding_exits_2(tiny_model):
 
 
 @pytest.mark.parametrize("args,word", [(["--parallel", "0"], "--parallel"), (["--timeout", "0"], "--timeout"),
-                                       (["--port", "70000"], "--port")])
+                                       (["--port", "70000"], "--port"), (["--port", "x"], "--port"),
+                                       (["--bogus"], "--bogus")])
 def test_bad_option_values_exit_2(tiny_model, args, word):
     r = _serve("--model", str(tiny_model), *args)
     lines = _problem_lines(r.stderr)

@@ -6,7 +6,7 @@ at once (``/health`` answers 503 while the model loads and compiles); the URL is
 stdout when the model is ready. Bad options, files or settings print one line to stderr and
 exit with status 2; a model that fails to load exits with status 1.
 
-Compiled steps are kept in a persistent JAX compilation cache (``<user cache>/jax``, or
+Compiled steps are kept in a persistent JAX compilation cache (``<user cache>/xla``, or
 ``--compile-cache DIR``; ``--no-compile-cache`` turns it off), so a second start skips most of
 the compile time.
 """
@@ -22,8 +22,15 @@ from ..errors import BloomeryError
 from ..settings import CONFIG_DIR, load_settings
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, not usage + message
+        from ..errors import ConfigError
+
+        raise ConfigError(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bloomery_jax.serve",
+    p = _Parser(prog="python -m bloomery_jax.serve",
                                 description="OpenAI-compatible HTTP server for a GGUF model.")
     p.add_argument("--model", "-m", help="GGUF file (default: the embedded Gemma 3 270M Q4_K_M)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
@@ -72,18 +79,14 @@ def _check(args) -> None:
 def _compile_cache(args) -> None:
     if args.no_compile_cache:
         return
-    import jax
+    from ..engine.startup import enable_compile_cache  # the cache generate uses too
 
-    from ..default_model import cache_dir
-
-    path = args.compile_cache or str(cache_dir() / "jax")
-    os.makedirs(path, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", path)
+    enable_compile_cache(args.compile_cache)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
         _check(args)
         from ..default_model import default_model_path
 

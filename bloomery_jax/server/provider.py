@@ -233,7 +233,7 @@ class Provider:
                 # Idle for a second (not between the requests of a busy client): compile the next chunk.
                 if self._cold_chunks and time.monotonic() - self._last_busy > 1.0:
                     T = self._cold_chunks.pop(0)
-                    secs = self.engine.warmup(chunks=[T], buckets=self.engine.buckets[:1])
+                    secs = self.engine.warmup(chunks=[T], buckets=[])
                     self.log(f"compiled prefill {T} while idle in {secs:.1f} s")
                     continue
                 self._work.wait(timeout=0.5)
