@@ -76,6 +76,9 @@ class Config:
     rope_attn_factor: float = 1.0  # rope.scaling.attn_factor, multiplies the rope magnitude
     final_logit_softcap: float = 0.0  # 0: none
     tied_embeddings: bool = True
+    # Not from the file: "ggml-cpu" rounds matmul activations as llama.cpp's CPU backend does
+    # (ops/actquant.py), to compare with it on quantized files; "none" is the exact reference.
+    act_rounding: str = "none"
 
     def __post_init__(self):
         if len(self.swa_layers) != self.n_layers:
@@ -275,23 +278,24 @@ def _attention(params, cfg: Config, i: int, h, rope, positions, cache: KVCache, 
     b = f"blk.{i}."
     B, T, _ = h.shape
     cos, sin = rope
-    q = qmatmul(h, params[b + "attn_q.weight"]).reshape(B, T, cfg.n_heads, cfg.head_dim)  # [B, T, Hq, Dh]
-    k = qmatmul(h, params[b + "attn_k.weight"]).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)  # [B, T, Hkv, Dh]
-    v = qmatmul(h, params[b + "attn_v.weight"]).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
+    ar = cfg.act_rounding
+    q = qmatmul(h, params[b + "attn_q.weight"], ar).reshape(B, T, cfg.n_heads, cfg.head_dim)  # [B, T, Hq, Dh]
+    k = qmatmul(h, params[b + "attn_k.weight"], ar).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)  # [B, T, Hkv, Dh]
+    v = qmatmul(h, params[b + "attn_v.weight"], ar).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
     q = apply_rope(_norm(params, b + "attn_q_norm.weight", q, cfg), cos, sin, neox=True)
     k = apply_rope(_norm(params, b + "attn_k_norm.weight", k, cfg), cos, sin, neox=True)
     q = q * jnp.float32(cfg.attn_scale)  # llama.cpp scales q, then attends with scale 1
     cache = cache.write(i, k, v, positions)
     k_all, v_all = cache.layer(i)  # [B, S, Hkv, Dh]
     o = gqa_attention(q, k_all, v_all, mask, 1.0).reshape(B, T, cfg.q_dim)  # [B, T, Hq*Dh]
-    return qmatmul(o, params[b + "attn_output.weight"]), cache  # [B, T, D]
+    return qmatmul(o, params[b + "attn_output.weight"], ar), cache  # [B, T, D]
 
 
-def _ffn(params, i: int, h):
-    b = f"blk.{i}."
-    gate = qmatmul(h, params[b + "ffn_gate.weight"])  # [B, T, F]
-    up = qmatmul(h, params[b + "ffn_up.weight"])  # [B, T, F]
-    return qmatmul(geglu(gate, up), params[b + "ffn_down.weight"])  # [B, T, D]
+def _ffn(params, cfg: Config, i: int, h):
+    b, ar = f"blk.{i}.", cfg.act_rounding
+    gate = qmatmul(h, params[b + "ffn_gate.weight"], ar)  # [B, T, F]
+    up = qmatmul(h, params[b + "ffn_up.weight"], ar)  # [B, T, F]
+    return qmatmul(geglu(gate, up), params[b + "ffn_down.weight"], ar)  # [B, T, D]
 
 
 def forward(params, cfg: Config, tokens, positions, cache: KVCache, placement=None):
@@ -324,11 +328,11 @@ def forward(params, cfg: Config, tokens, positions, cache: KVCache, placement=No
         a, cache = _attention(params, cfg, i, h, rope_local if local else rope_global, positions, cache,
                               local_mask if local else global_mask)
         x = x + _norm(params, b + "post_attention_norm.weight", a, cfg)
-        f = _ffn(params, i, _norm(params, b + "ffn_norm.weight", x, cfg))
+        f = _ffn(params, cfg, i, _norm(params, b + "ffn_norm.weight", x, cfg))
         x = x + _norm(params, b + "post_ffw_norm.weight", f, cfg)
     x = _norm(params, "output_norm.weight", x, cfg)
     out_w = params.get("output.weight", params["token_embd.weight"])  # tied when output is absent
-    logits = qmatmul(x, out_w)  # [B, T, V]
+    logits = qmatmul(x, out_w, cfg.act_rounding)  # [B, T, V]
     if cfg.final_logit_softcap:
         c = jnp.float32(cfg.final_logit_softcap)
         logits = jnp.tanh(logits / c) * c
