@@ -43,7 +43,7 @@ from ..ops.norms import rms_norm
 from ..ops.qmatmul import as_f32, qmatmul, take_rows
 from ..ops.rope import RopeConfig, apply_rope, rope_cos_sin
 from .kv_cache import KVCache
-from .spec import TensorSpec
+from .spec import TensorSpec, attention_specs, embedding_specs
 
 ARCH = "gemma3"
 DEFAULT_SWA_PATTERN = 6  # llama.cpp's gemma3 default: five local layers, then one global
@@ -239,22 +239,11 @@ def _pattern_value(swa_layers: tuple[bool, ...]) -> int | list[bool]:
 
 def tensor_specs(cfg: Config) -> list[TensorSpec]:
     """Every tensor of a gemma3 file, with shapes in NumPy order ([out, in] for weights)."""
-    D, V, F, Dh = cfg.d_model, cfg.n_vocab, cfg.ff, cfg.head_dim
-    specs = [
-        TensorSpec("token_embd.weight", (V, D), "embed"),
-        TensorSpec("output_norm.weight", (D,), "norm"),
-        TensorSpec("output.weight", (V, D), "output", optional=True),
-    ]
+    D, V, F = cfg.d_model, cfg.n_vocab, cfg.ff
+    specs = embedding_specs(V, D)
     for i in range(cfg.n_layers):
         b = f"blk.{i}."
-        specs += [
-            TensorSpec(b + "attn_norm.weight", (D,), "norm", i),
-            TensorSpec(b + "attn_q.weight", (cfg.q_dim, D), "attn", i),
-            TensorSpec(b + "attn_k.weight", (cfg.kv_dim, D), "attn", i),
-            TensorSpec(b + "attn_v.weight", (cfg.kv_dim, D), "attn", i),
-            TensorSpec(b + "attn_output.weight", (D, cfg.q_dim), "attn", i),
-            TensorSpec(b + "attn_q_norm.weight", (Dh,), "norm", i),
-            TensorSpec(b + "attn_k_norm.weight", (Dh,), "norm", i),
+        specs += attention_specs(cfg, i) + [
             TensorSpec(b + "post_attention_norm.weight", (D,), "norm", i),
             TensorSpec(b + "ffn_norm.weight", (D,), "norm", i),
             TensorSpec(b + "ffn_gate.weight", (F, D), "ffn", i),

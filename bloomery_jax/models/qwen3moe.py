@@ -22,7 +22,7 @@ from ..ops.qmatmul import as_f32, qmatmul, take_rows
 from ..ops.rope import RopeConfig, apply_rope, rope_cos_sin
 from ..ops.routing import route_topk
 from .kv_cache import KVCache
-from .spec import TensorSpec
+from .spec import TensorSpec, attention_specs, embedding_specs
 
 ARCH = "qwen3moe"
 
@@ -190,22 +190,11 @@ class Config:
 
 def tensor_specs(cfg: Config) -> list[TensorSpec]:
     """Every tensor of a qwen3moe file, with shapes in NumPy order ([out, in] for weights)."""
-    D, V, E, F, Dh = cfg.d_model, cfg.n_vocab, cfg.n_experts, cfg.expert_ff, cfg.head_dim
-    specs = [
-        TensorSpec("token_embd.weight", (V, D), "embed"),
-        TensorSpec("output_norm.weight", (D,), "norm"),
-        TensorSpec("output.weight", (V, D), "output", optional=True),
-    ]
+    D, V, E, F = cfg.d_model, cfg.n_vocab, cfg.n_experts, cfg.expert_ff
+    specs = embedding_specs(V, D)
     for i in range(cfg.n_layers):
         b = f"blk.{i}."
-        specs += [
-            TensorSpec(b + "attn_norm.weight", (D,), "norm", i),
-            TensorSpec(b + "attn_q.weight", (cfg.q_dim, D), "attn", i),
-            TensorSpec(b + "attn_k.weight", (cfg.kv_dim, D), "attn", i),
-            TensorSpec(b + "attn_v.weight", (cfg.kv_dim, D), "attn", i),
-            TensorSpec(b + "attn_output.weight", (D, cfg.q_dim), "attn", i),
-            TensorSpec(b + "attn_q_norm.weight", (Dh,), "norm", i),
-            TensorSpec(b + "attn_k_norm.weight", (Dh,), "norm", i),
+        specs += attention_specs(cfg, i) + [
             TensorSpec(b + "ffn_norm.weight", (D,), "norm", i),
             TensorSpec(b + "ffn_gate_inp.weight", (E, D), "router", i),
             TensorSpec(b + "ffn_gate_exps.weight", (E, F, D), "expert", i),

@@ -29,6 +29,32 @@ class TensorSpec:
             raise ValueError(f"unknown tensor role {self.role!r}")
 
 
+def embedding_specs(n_vocab: int, d_model: int) -> list[TensorSpec]:
+    """Token embeddings, final norm and the (optional, tied when absent) output projection."""
+    return [
+        TensorSpec("token_embd.weight", (n_vocab, d_model), "embed"),
+        TensorSpec("output_norm.weight", (d_model,), "norm"),
+        TensorSpec("output.weight", (n_vocab, d_model), "output", optional=True),
+    ]
+
+
+def attention_specs(cfg, i: int) -> list[TensorSpec]:
+    """Layer ``i``'s pre-norm, q/k/v/o projections and per-head q/k norms (llama.cpp names).
+
+    ``cfg`` needs d_model, q_dim, kv_dim and head_dim.
+    """
+    b, D = f"blk.{i}.", cfg.d_model
+    return [
+        TensorSpec(b + "attn_norm.weight", (D,), "norm", i),
+        TensorSpec(b + "attn_q.weight", (cfg.q_dim, D), "attn", i),
+        TensorSpec(b + "attn_k.weight", (cfg.kv_dim, D), "attn", i),
+        TensorSpec(b + "attn_v.weight", (cfg.kv_dim, D), "attn", i),
+        TensorSpec(b + "attn_output.weight", (D, cfg.q_dim), "attn", i),
+        TensorSpec(b + "attn_q_norm.weight", (cfg.head_dim,), "norm", i),
+        TensorSpec(b + "attn_k_norm.weight", (cfg.head_dim,), "norm", i),
+    ]
+
+
 def check_tensors(gf, specs: Iterable[TensorSpec], *, allow_extra: bool = False) -> None:
     """Check that a file holds every required tensor with the expected shape.
 
