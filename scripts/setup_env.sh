@@ -6,9 +6,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${BLOOMERY_PYTHON:-}
 if [ -z "$PY" ]; then
-  if command -v python3.12 >/dev/null 2>&1; then PY=python3.12
-  elif PYENV_VERSION=3.12.1 python3 -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then PY="env PYENV_VERSION=3.12.1 python3"
-  else PY=python3; fi
+  # Run each candidate rather than trusting `command -v`: a pyenv shim for python3.12 exists even
+  # where pyenv's selected version lacks it, and then exits 127.
+  for cand in python3.12 "env PYENV_VERSION=3.12.1 python3" python3; do
+    if $cand -c 'import sys; assert sys.version_info >= (3, 12)' 2>/dev/null; then PY=$cand; break; fi
+  done
+  [ -n "$PY" ] || { echo "setup_env: no Python >= 3.12 found (tried python3.12, PYENV_VERSION=3.12.1 python3, python3); set BLOOMERY_PYTHON" >&2; exit 1; }
 fi
 [ -x .venv/bin/python ] || $PY -m venv .venv
 .venv/bin/python -c 'import sys; assert sys.version_info >= (3, 12), "bloomery-jax needs Python >= 3.12"'
