@@ -57,6 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ubatch", type=int, default=512, help="prompt tokens per prefill step (<= 4096)")
     p.add_argument("--kv-dtype", default="float32", help="float32 | bfloat16 | float16")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompt tokens")
+    p.add_argument("--place", default="card", help="where routed experts run: card | cpu-moe | n-cpu-moe=N | last-cpu-moe=N | budget=20GiB | override=REGEX (default card)")
     p.add_argument("--json", action="store_true", help="one JSON record per line instead of a table")
     p.add_argument("--no-compile-cache", action="store_true", help="do not use the persistent compilation cache")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -154,7 +155,7 @@ def run(argv: list[str] | None = None, out=None, err=None) -> list[dict]:
     if not args.no_compile_cache:
         enable_compile_cache()
     progress = Progress(err or sys.stderr, quiet=args.quiet)
-    model, _, load_s = open_model(args.model, progress)
+    model, _, load_s = open_model(args.model, progress, args.place)
     witness = source_witness()
     size = sum(int(t.data.nbytes) for t in model.gguf.tensors.values())
     rng = np.random.default_rng(args.seed)

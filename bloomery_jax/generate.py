@@ -45,6 +45,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     p.add_argument("--ctx", type=int, help="positions in the KV cache (default: prompt + n, rounded up)")
     p.add_argument("--ubatch", type=int, default=512, help="prompt tokens per prefill step (<= 4096)")
+    p.add_argument("--place", default="card", help="where routed experts run: card | cpu-moe | n-cpu-moe=N | last-cpu-moe=N | budget=20GiB | override=REGEX (default card)")
     p.add_argument("--json", action="store_true", help="print token ids and timings as JSON")
     p.add_argument("--no-compile-cache", action="store_true", help="do not use the persistent compilation cache")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -99,7 +100,7 @@ def run(argv: list[str] | None = None, out=None, err=None) -> dict:
     if not args.no_compile_cache:
         enable_compile_cache()
     progress = Progress(err, quiet=args.quiet)
-    model, tok, load_s = open_model(args.model, progress)
+    model, tok, load_s = open_model(args.model, progress, args.place)
     ids = prompt_ids(tok, args.prompt, args.chat, args.system, is_default=args.model is None, log=progress.done)
     model_ctx = int(getattr(model.cfg, "context_length", 4096))
     ctx = args.ctx or context_for(len(ids), args.n_predict, model_ctx)

@@ -48,6 +48,8 @@ def load_settings(config_files: Sequence[str] = (), bindings: Sequence[str] = ()
 
     Bad files or bindings raise ConfigError naming what gin could not parse.
     """
+    from . import placement  # noqa: F401  (registers the rule classes gin configs may name)
+
     gin.clear_config()
     for path in config_files:
         if not os.path.isfile(path):

@@ -76,7 +76,7 @@ class Engine:
       kv_dtype: float32 | bfloat16 | float16.
       n_top: width of the top log-probability report (the most any request may ask).
       min_rows: smallest decode bucket (default 2 on the CPU, see _default_min_rows).
-      placement: the expert placement pytree handed to the forward (None = all on card).
+      placement: the expert placement handed to the forward (default: the model's own).
     """
 
     def __init__(self, model, *, n_slots: int = 4, max_context: int | None = None, ubatch: int = 512,
@@ -94,7 +94,7 @@ class Engine:
         self.model = model
         self.cfg = cfg
         self.params = model.params
-        self.placement = placement
+        self.placement = placement if placement is not None else getattr(model, "placement", None)
         self.n_vocab = int(cfg.n_vocab)
         self.max_context = max_context
         self.ubatch = ubatch

@@ -63,12 +63,13 @@ class Progress:
         self.stream.flush()
 
 
-def open_model(path, progress: Progress):
+def open_model(path, progress: Progress, place: str = "card"):
     """Load a model and its tokenizer. Returns (model, tokenizer, seconds).
 
     Args:
       path: a GGUF file, or None for the embedded default model.
       progress: where the "loading" line goes.
+      place: the expert placement rule (``placement.parse_rule``).
     Raises:
       BloomeryError (GGUFError, ConfigError, ...) on a bad file; for the default model an
       unsupported architecture says which one the default model needs.
@@ -85,7 +86,7 @@ def open_model(path, progress: Progress):
     t0 = time.perf_counter()
     progress.update(f"loading {path} ...")
     try:
-        model = load_model(path)
+        model = load_model(path, place=place)
     except UnsupportedArchitectureError as e:
         if default:
             raise UnsupportedArchitectureError(
@@ -94,5 +95,10 @@ def open_model(path, progress: Progress):
         raise
     tokenizer = Tokenizer.from_gguf(model.gguf)
     seconds = time.perf_counter() - t0
-    progress.done(f"loaded {path} ({model.gguf.architecture}) in {seconds:.2f} s")
+    where = ""
+    if model.placement is not None and model.placement.host is not None:
+        from ..placement import describe_placement
+
+        where = f", {describe_placement(model)}"
+    progress.done(f"loaded {path} ({model.gguf.architecture}{where}) in {seconds:.2f} s")
     return model, tokenizer, seconds

@@ -37,6 +37,7 @@ def _parser() -> argparse.ArgumentParser:
     def common(sp):
         sp.add_argument("--model", required=True, help="GGUF file")
         sp.add_argument("--ubatch", type=int, default=512, help="tokens per forward step (default 512)")
+        sp.add_argument("--place", default="card", help="where routed experts run: card | cpu-moe | n-cpu-moe=N | last-cpu-moe=N | budget=20GiB | override=REGEX (default card)")
         sp.add_argument("--act-rounding", choices=ACT_ROUNDINGS, default="none",
                         help="none: exact float32 reference; ggml-cpu: round activations like llama.cpp's CPU backend")
 
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         args = _parser().parse_args(argv)
         from ..models.loader import load_model
 
-        model = load_model(args.model)
+        model = load_model(args.model, place=args.place)
         (_cmd_logits if args.command == "logits" else _cmd_perplexity)(args, model)
     except BloomeryError as e:
         print(str(e).splitlines()[0] if str(e) else type(e).__name__, file=sys.stderr)

@@ -53,6 +53,6 @@ def sequence_logits(model: Model, tokens, *, ubatch: int = 512, act_rounding: st
         pos = np.full((1, step), T, np.int32)  # padding: position S, never stored
         tok[0, :n] = ids[start:start + n]
         pos[0, :n] = np.arange(start, start + n)
-        logits, cache, _ = model.module.jit_forward(model.params, cfg, tok, pos, cache)
+        logits, cache, _ = model.module.jit_forward(model.params, cfg, tok, pos, cache, model.placement)
         out[start:start + n] = np.asarray(logits[0, :n])
     return out

@@ -1,10 +1,12 @@
 """Open a GGUF model: architecture module, Config, checked tensor table, device parameters.
 
-Contract: ``load_model(path)`` returns a :class:`Model` whose ``params`` map every GGUF
-tensor name to a :class:`~bloomery_jax.quant.QTensor` holding the file's raw blocks on the
-default device (no dequantized copy). Every problem is a GGUFError naming the file and the
-tensor or key: another architecture, a missing or mis-shaped tensor, a ggml type we cannot
-dequantize.
+Contract: ``load_model(path, place=RULE)`` returns a :class:`Model` whose ``params`` map every
+GGUF tensor name to a :class:`~bloomery_jax.quant.QTensor` holding the file's raw blocks on the
+default device (no dequantized copy). Routed-expert tensors hold only the experts the
+placement rule seats on the card (``[n_slots, ...]``, in slot order); ``model.placement`` says
+where every expert is computed, and its host bridge holds all experts as views of the file.
+Every problem is a GGUFError naming the file and the tensor or key: another architecture, a
+missing or mis-shaped tensor, a ggml type we cannot dequantize; a bad rule is a ConfigError.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class Model:
     cfg: object  # the architecture's Config (frozen, hashable)
     params: dict[str, QTensor]
     module: ModuleType
+    placement: object = None  # placement.Placement for MoE models, None for dense ones
 
     @property
     def path(self) -> str:
@@ -50,23 +53,63 @@ def check_types(gf: GGUFFile) -> None:
                             tensor=info.name)
 
 
-def load_model(path: str | os.PathLike, *, device=None) -> Model:
+def load_model(path: str | os.PathLike, *, device=None, place="card", reserve_bytes: int = 0,
+               host_threads: int | None = None) -> Model:
     """Open ``path``, check it against its architecture, and put its tensors on ``device``.
 
     Args:
       path: a GGUF file.
       device: a jax Device; None = the default device.
+      place: a placement rule string (``placement.parse_rule``) or rule object.
+      reserve_bytes: card bytes the caller needs besides the weights (KV cache), for budget rules.
+      host_threads: Numba threads of the host experts (None = Numba's default).
     Returns:
       the Model.
     """
+    from ..placement import ExpertLayout, Placement, parse_rule, slot_table
+
     gf = GGUFFile(path)
     module = module_for_file(gf)  # clear error for architectures we do not implement
     cfg = module.Config.from_gguf(gf)
-    check_tensors(gf, module.tensor_specs(cfg))
+    specs = module.tensor_specs(cfg)
+    check_tensors(gf, specs)
     check_types(gf)
+    rule = parse_rule(place) if isinstance(place, str) else place
+    layout = ExpertLayout.from_file(gf, specs)
+    on_card = rule.place(layout, reserve_bytes=reserve_bytes)  # [L, E] bool
+    expert_layer = {s.name: s.layer for s in specs if s.role == "expert"}
     device = device or jax.devices()[0]
-    params = {}
+    params, host_tensors = {}, {}
     for info in gf:
         data = info.data.view(np.uint16) if info.qtype == T.BF16 else info.data  # bf16 travels as its bits
-        params[info.name] = QTensor(jax.device_put(data, device), int(info.qtype), tuple(info.shape))
-    return Model(gguf=gf, cfg=cfg, params=params, module=module)
+        shape = tuple(info.shape)
+        layer = expert_layer.get(info.name)
+        if layer is not None and not on_card[layer].all():
+            host_tensors[info.name] = (layer, data, int(info.qtype), shape)
+            data = data[on_card[layer]]  # [n_slots, rows, row_bytes]: slot order = expert id order
+            shape = (int(on_card[layer].sum()),) + shape[1:]
+        params[info.name] = QTensor(jax.device_put(data, device), int(info.qtype), shape)
+    placement = None
+    if expert_layer:
+        bridge = _host_bridge(gf.path, host_tensors, host_threads) if host_tensors else None
+        placement = Placement(jax.device_put(slot_table(on_card), device), bridge)
+    return Model(gguf=gf, cfg=cfg, params=params, module=module, placement=placement)
+
+
+def _host_bridge(path: str, host_tensors: dict, threads: int | None):
+    """A HostBridge over every expert of the layers that have host experts (views of the file)."""
+    from ..host import HostExpertLayer, HostTensor
+    from ..host.bridge import HostBridge
+
+    by_layer: dict[int, dict[str, HostTensor]] = {}
+    for name, (layer, data, qtype, shape) in host_tensors.items():
+        which = name.split(".")[2].split("_")[1]  # blk.N.ffn_gate_exps.weight -> gate
+        by_layer.setdefault(layer, {})[which] = HostTensor(data, qtype, shape)
+    layers = {}
+    for layer, t in by_layer.items():
+        try:
+            layers[layer] = HostExpertLayer(t["gate"], t["up"], t["down"])
+        except ValueError as e:  # a ggml type without a host kernel: say so at load
+            raise GGUFError(path, f"experts of layer {layer} cannot run on the host: {e}",
+                            tensor=f"blk.{layer}.ffn_gate_exps.weight") from None
+    return HostBridge(layers, threads)

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..gguf_file import GGUFFile
 from ..ops.attention import gqa_attention
-from ..ops.experts import moe_swiglu
+from ..ops.experts import placed_moe_swiglu
 from ..ops.norms import rms_norm
 from ..ops.qmatmul import as_f32, qmatmul, take_rows
 from ..ops.rope import RopeConfig, apply_rope, rope_cos_sin
@@ -236,14 +236,14 @@ def _attention_block(params, cfg: Config, i: int, x, cos, sin, positions, cache:
     return x + qmatmul(o, params[b + "attn_output.weight"], ar), cache
 
 
-def _moe_block(params, cfg: Config, i: int, x):
+def _moe_block(params, cfg: Config, i: int, x, placement):
     b = f"blk.{i}."
     B, T, D = x.shape
     h = rms_norm(x, as_f32(params[b + "ffn_norm.weight"]), cfg.rms_eps).reshape(B * T, D)  # [N, D]
     router_logits = qmatmul(h, params[b + "ffn_gate_inp.weight"], cfg.act_rounding)  # [N, E]
     experts, weights, margin = route_topk(router_logits, cfg.n_experts_used)  # [N, k], [N, k], [N]
-    y = moe_swiglu(h, experts, weights, params[b + "ffn_gate_exps.weight"],
-                   params[b + "ffn_up_exps.weight"], params[b + "ffn_down_exps.weight"], cfg.act_rounding)  # [N, D]
+    y = placed_moe_swiglu(h, experts, weights, params[b + "ffn_gate_exps.weight"], params[b + "ffn_up_exps.weight"],
+                          params[b + "ffn_down_exps.weight"], cfg.act_rounding, placement, i)  # [N, D]
     k = cfg.n_experts_used
     return x + y.reshape(B, T, D), (experts.reshape(B, T, k), weights.reshape(B, T, k), margin.reshape(B, T))
 
@@ -258,11 +258,11 @@ def forward(params, cfg: Config, tokens, positions, cache: KVCache, placement=No
       positions: int32 ``[B, T]``, the position of each token in its sequence; keys/values
         are stored in cache slot = position (positions ``>= S`` are padding: not stored).
       cache: KVCache holding ``[L, B, S, Hkv, Dh]`` keys/values of earlier steps.
-      placement: accepted and unused for now; the hybrid (card/host experts) issue fills it.
+      placement: a ``placement.Placement`` (which card slot or the host computes each expert),
+        or None when every expert is on the card in id order.
     Returns:
       logits float32 ``[B, T, V]``, the new KVCache, and a Routing.
     """
-    del placement  # the reference path computes every expert on the default device
     tokens = jnp.asarray(tokens, jnp.int32)
     positions = jnp.asarray(positions, jnp.int32)
     cos, sin = rope_cos_sin(positions, cfg.rope())  # [B, T, n_rot/2]
@@ -272,7 +272,7 @@ def forward(params, cfg: Config, tokens, positions, cache: KVCache, placement=No
     routes = []
     for i in range(cfg.n_layers):  # a Python loop: tensor types may differ between layers
         x, cache = _attention_block(params, cfg, i, x, cos, sin, positions, cache, mask)
-        x, route = _moe_block(params, cfg, i, x)
+        x, route = _moe_block(params, cfg, i, x, placement)
         routes.append(route)
     x = rms_norm(x, as_f32(params["output_norm.weight"]), cfg.rms_eps)
     out_w = params.get("output.weight", params["token_embd.weight"])  # tied when output is absent

@@ -79,3 +79,35 @@ def moe_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate, up, d
     for j in range(1, k):  # llama.cpp adds the k outputs one after another
         out = out + y[:, j]
     return out
+
+
+def placed_moe_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate, up, down,
+                      act_rounding: str, placement, layer: int) -> jax.Array:
+    """:func:`moe_swiglu` with each expert computed where ``placement`` puts it.
+
+    Card experts run on their slots of the layer's card buffers (``gate``/``up``/``down`` hold
+    ``n_slots`` experts); host experts go through ``placement.host`` in one call for the layer.
+    The card part gives host pairs weight 0 (their slot index is clamped to 0), so shapes never
+    depend on the placement.
+
+    Args:
+      x: float32 ``[N, D]``; experts int32 ``[N, k]``; weights float32 ``[N, k]``.
+      gate, up, down: the layer's card expert buffers ``[n_slots, F, D]`` / ``[n_slots, D, F]``.
+      placement: ``placement.Placement`` or None (every expert on the card, slot = expert id).
+      layer: this layer's index in ``placement.slot_of``.
+    Returns:
+      float32 ``[N, D]``.
+    """
+    if placement is None:
+        return moe_swiglu(x, experts, weights, gate, up, down, act_rounding)
+    slot_of = placement.slot_of[layer]  # [E]
+    slots = slot_of[experts]  # [N, k]
+    on_card = slots >= 0
+    n_slots = gate.shape[0]
+    out = jnp.zeros(x.shape, jnp.float32)
+    if n_slots:
+        out = moe_swiglu(x, jnp.where(on_card, slots, 0), jnp.where(on_card, weights, 0.0), gate, up, down,
+                         act_rounding)
+    if placement.host is not None and placement.host.has_layer(layer):
+        out = out + placement.host.moe(layer, x.astype(jnp.float32), experts, weights, slot_of < 0)
+    return out

@@ -14,6 +14,7 @@ the compile time.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import threading
@@ -41,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gin_param", "--gin-param", action="append", default=[], dest="gin_param",
                    help="gin binding, e.g. 'RuntimeSettings.max_context = 2048' (repeatable)")
     p.add_argument("--parallel", "-np", type=int, help="sequence slots (default: RuntimeSettings.parallel)")
+    p.add_argument("--place", help="where routed experts run: card | cpu-moe | n-cpu-moe=N | last-cpu-moe=N | "
+                                   "budget=20GiB | override=REGEX (default: RuntimeSettings.placement)")
     p.add_argument("--queue", type=int, default=16, help="requests that may wait for a slot (default 16)")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds a request may take, queue wait included (default 600)")
@@ -92,6 +95,11 @@ def main(argv: list[str] | None = None) -> int:
 
         path = args.model or str(default_model_path())
         settings = load_settings(args.config or _default_config(path), args.gin_param)
+        if args.place is not None:
+            settings = dataclasses.replace(settings, placement=args.place)
+        from ..placement.rules import parse_rule
+
+        parse_rule(settings.placement)  # a bad rule is a one-line error before the server starts
         _compile_cache(args)
     except (BloomeryError, OSError) as e:
         print(f"bloomery_jax.serve: {e}".splitlines()[0], file=sys.stderr)

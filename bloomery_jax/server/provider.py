@@ -115,7 +115,7 @@ class Provider:
         path = str(default_model.default_model_path()) if is_default else opts.model
         self.model_path = path
         self.log(f"loading {path}")
-        model = load_model(path)
+        model = load_model(path, place=st.placement)
         tok = Tokenizer.from_gguf(model.gguf)
         source = tok.vocab.chat_template
         if source is None:
@@ -124,9 +124,12 @@ class Provider:
                 self.log("the file has no tokenizer.chat_template: chat requests use ChatML")
         template = ChatTemplate.from_tokenizer(tok, source)
         n_ctx = min(st.max_context, int(getattr(model.cfg, "context_length", st.max_context)))
-        if st.kernels != "reference" or st.placement != "card":
-            self.log(f"note: kernels={st.kernels!r} placement={st.placement!r} are not wired into the engine "
-                     "yet; it runs the reference path with every expert on the device")
+        if model.placement is not None and model.placement.host is not None:
+            from ..placement import describe_placement
+
+            self.log(f"placement {st.placement}: {describe_placement(model)}")
+        if st.kernels != "reference":
+            self.log(f"note: kernels={st.kernels!r} is not wired into the engine yet; it runs the reference path")
         parallel = opts.parallel or st.parallel
         engine = Engine(model, n_slots=parallel, max_context=n_ctx, ubatch=min(st.ubatch, n_ctx),
                         kv_dtype=st.kv_dtype)
