@@ -77,11 +77,12 @@ class Engine:
       n_top: width of the top log-probability report (the most any request may ask).
       min_rows: smallest decode bucket (default 2 on the CPU, see _default_min_rows).
       placement: the expert placement handed to the forward (default: the model's own).
+      residency: a ``placement.slots.LiveResidency`` swapping experts between steps, or None.
     """
 
     def __init__(self, model, *, n_slots: int = 4, max_context: int | None = None, ubatch: int = 512,
                  min_chunk: int = 16, kv_dtype: str = "float32", n_top: int = sampling.MAX_N_PROBS,
-                 min_rows: int | None = None, placement=None):
+                 min_rows: int | None = None, placement=None, residency=None):
         cfg = model.cfg
         if max_context is None:
             max_context = min(int(getattr(cfg, "context_length", 4096)), 4096)
@@ -95,6 +96,7 @@ class Engine:
         self.cfg = cfg
         self.params = model.params
         self.placement = placement if placement is not None else getattr(model, "placement", None)
+        self.residency = residency
         self.n_vocab = int(cfg.n_vocab)
         self.max_context = max_context
         self.ubatch = ubatch
@@ -152,6 +154,8 @@ class Engine:
             last.slot = i
             self.live[i] = last
         seq.slot = -1
+        if self.residency is not None:
+            self.residency.forget(id(seq))
 
     def rollback(self, seq: Sequence, n_tokens: int) -> None:
         """Truncate ``seq`` to its first ``n_tokens`` tokens (1 <= n_tokens <= len).
@@ -192,6 +196,9 @@ class Engine:
             self.params, self.cache, self.sampler, self.placement, tokens, positions,
             np.int32(seq.slot), np.int32(n - 1), np.bool_(final))
         seq.n_cached += n
+        if self.residency is not None:
+            self.residency.after_step(self, self.last_routing.experts, positions < self.max_context,
+                                      prompt_key=id(seq), prompt_done=final)
         if not final:
             return None
         return self._record([seq], out)[0]
@@ -216,6 +223,8 @@ class Engine:
             self.params, self.cache, self.sampler, self.placement, tokens, positions, active)
         for s in seqs:
             s.n_cached += 1
+        if self.residency is not None:
+            self.residency.after_step(self, self.last_routing.experts, active[:, None])
         return self._record(seqs, out, rows=[s.slot for s in seqs])
 
     def _record(self, seqs, out: sampling.SampleOut, rows=None) -> list[Sampled]:

@@ -258,13 +258,13 @@ def plan_swaps(slot_of_row, desired, max_swaps: int | None = None, counts=None) 
     resident = row >= 0
     if int(desired.sum()) != int(resident.sum()):
         raise ValueError(f"desired has {int(desired.sum())} experts for {int(resident.sum())} card slots")
-    if max_swaps is not None and max_swaps < 0:
-        raise ValueError(f"max_swaps must be >= 0 or None, got {max_swaps}")
     return _swaps_in_order(row, desired, max_swaps, hot_order(np.zeros(row.shape[0]) if counts is None else counts))
 
 
 def _swaps_in_order(row, desired, max_swaps, order) -> list[Swap]:
     """plan_swaps with the ranking given as ids hottest first."""
+    if max_swaps is not None and max_swaps < 0:
+        raise ValueError(f"max_swaps must be >= 0 or None, got {max_swaps}")
     resident = row >= 0
     incoming = order[(desired & ~resident)[order]]  # hottest first
     outgoing = order[::-1][(resident & ~desired)[order[::-1]]]  # coldest first

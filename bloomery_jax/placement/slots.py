@@ -1,0 +1,143 @@
+"""Seating experts in card slots between steps: the device half of residency.
+
+Contract. :func:`seat_experts` copies the blocks of the given experts from the host's copy
+(the GGUF file's bytes, held by the HostBridge) into the given slots of one layer's card
+expert buffers, in place: each buffer is donated to a jitted row update, so no second copy of
+the layer's card experts is ever allocated. The slot table is the caller's to change.
+
+The number of rows written is padded up to a power of two (repeating the last pair, which
+writes the same bytes twice), so a handful of shapes compile, whatever the swap count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import numpy as np
+
+EXPERT_TENSORS = ("gate", "up", "down")
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _write_rows(buf: jax.Array, rows: jax.Array, values: jax.Array) -> jax.Array:
+    return buf.at[rows].set(values, unique_indices=False)  # [n_slots, ...]
+
+
+def _padded(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def seat_experts(params: dict, host, layer: int, slots, experts) -> int:
+    """Write experts ``experts[j]`` of ``layer`` into card slots ``slots[j]`` (in place).
+
+    Args:
+      params: the engine's parameter dict (GGUF name → QTensor); its three expert entries of
+        the layer are replaced by the updated buffers.
+      host: the model's HostBridge (``host.layers[layer].gate.data`` is ``[E, rows, bytes]``).
+      layer: the MoE layer.
+      slots, experts: int sequences of equal length.
+    Returns:
+      bytes copied to the card (without padding).
+    """
+    slots = np.asarray(slots, np.int32)
+    experts = np.asarray(experts, np.int64)
+    if slots.size == 0:
+        return 0
+    n = _padded(slots.size)
+    pad = n - slots.size
+    slots = np.concatenate([slots, np.repeat(slots[-1:], pad)])
+    experts = np.concatenate([experts, np.repeat(experts[-1:], pad)])
+    src_layer = host.layers[layer]
+    moved = 0
+    for which in EXPERT_TENSORS:
+        name = f"blk.{layer}.ffn_{which}_exps.weight"
+        q = params[name]
+        src = getattr(src_layer, which).data  # [E, rows, row_bytes] view of the file
+        blocks = np.ascontiguousarray(src[experts])  # [n, rows, row_bytes]
+        moved += blocks[: n - pad].nbytes
+        params[name] = dataclasses.replace(q, data=_write_rows(q.data, slots, blocks))
+    return moved
+
+
+class LiveResidency:
+    """Adaptive residency on a running engine: count routing, swap experts between steps.
+
+    After each step the engine calls :meth:`after_step` with that step's routing; the
+    controller (``residency.ResidencyController``) chooses swaps, :func:`seat_experts` writes
+    the blocks, and the engine's placement table is replaced. With ``prompt_streaming`` the
+    end of a prompt seats the experts that prompt routed most (its whole routing, every chunk),
+    so decode starts warm. Nothing recompiles: only buffer contents and the table change.
+
+    Args:
+      controller: a ``ResidencyController`` built from the model's load-time slot table.
+      host: the model's HostBridge (source of the expert blocks).
+      prompt_streaming: seat a prompt's hottest experts when it ends.
+      max_swaps_per_layer: cap on swaps per layer per decode step (None = no cap).
+    """
+
+    def __init__(self, controller, host, *, prompt_streaming: bool = True, max_swaps_per_layer: int | None = None):
+        self.controller = controller
+        self.host = host
+        self.prompt_streaming = prompt_streaming
+        self.max_swaps_per_layer = max_swaps_per_layer
+        self._prompt: dict[int, list[np.ndarray]] = {}  # sequence key -> routing of its prompt chunks [L, n, k]
+        self.seconds = 0.0  # spent seating experts
+
+    @classmethod
+    def for_model(cls, model, policy=None, **kwargs) -> "LiveResidency":
+        from .residency import ResidencyController
+
+        placement = model.placement
+        if placement is None or placement.host is None:
+            raise ValueError("residency needs a model with host experts (a placement rule other than 'card')")
+        layers = placement.host.layers
+        expert_bytes = np.zeros(np.asarray(placement.slot_of).shape[0], np.int64)
+        for i, hl in layers.items():
+            expert_bytes[i] = sum(getattr(hl, w).data[0].nbytes for w in EXPERT_TENSORS)
+        controller = ResidencyController(np.asarray(placement.slot_of), policy, expert_bytes=expert_bytes)
+        return cls(controller, placement.host, **kwargs)
+
+    def after_step(self, engine, routing_experts, mask, *, prompt_key: int | None = None,
+                   prompt_done: bool = False) -> None:
+        """Observe a step and apply the resulting swaps to ``engine`` (params and placement).
+
+        Args:
+          routing_experts: int ``[L, B, T, k]`` (host copy or device array).
+          mask: bool ``[B, T]``, the real (non-padding) tokens.
+          prompt_key: for a prefill chunk, a key of the sequence whose prompt it belongs to.
+          prompt_done: this chunk ended that prompt.
+        """
+        import time
+
+        t0 = time.perf_counter()
+        experts = np.asarray(routing_experts)
+        mask = np.asarray(mask, bool)
+        self.controller.observe(experts, mask)
+        if prompt_key is not None:
+            chunk = experts[:, mask].reshape(experts.shape[0], -1, experts.shape[-1])  # [L, n, k]
+            self._prompt.setdefault(prompt_key, []).append(chunk)
+            if not prompt_done:
+                return
+            prompt = np.concatenate(self._prompt.pop(prompt_key), axis=1)
+            if not self.prompt_streaming:
+                return
+            plan = self.controller.prompt_plan(prompt)
+        else:
+            plan = self.controller.step_plan(self.max_swaps_per_layer)
+        if plan:
+            for layer, swaps in plan.items():
+                seat_experts(engine.params, self.host, layer, [s.slot for s in swaps], [s.in_expert for s in swaps])
+            from .table import Placement
+
+            table = jax.device_put(self.controller.slot_of, jax.devices()[0])
+            engine.placement = Placement(table, self.host)
+        self.seconds += time.perf_counter() - t0
+
+    def forget(self, prompt_key: int) -> None:
+        """Drop the prompt routing of a sequence released before its prompt ended."""
+        self._prompt.pop(prompt_key, None)
+
+    def stats(self) -> dict:
+        return dict(self.controller.stats(), seat_seconds=self.seconds)
