@@ -27,6 +27,7 @@ import time
 
 import numpy as np
 
+from .cli_options import PLACE_HELP, add_residency_args
 from .engine.steps import bucket_for
 from .errors import BloomeryError, ConfigError
 
@@ -57,7 +58,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ubatch", type=int, default=512, help="prompt tokens per prefill step (<= 4096)")
     p.add_argument("--kv-dtype", default="float32", help="float32 | bfloat16 | float16")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompt tokens")
-    p.add_argument("--place", default="card", help="where routed experts run: card | cpu-moe | n-cpu-moe=N | last-cpu-moe=N | budget=20GiB | override=REGEX (default card)")
+    p.add_argument("--place", default="card", help=PLACE_HELP)
+    add_residency_args(p)
     p.add_argument("--json", action="store_true", help="one JSON record per line instead of a table")
     p.add_argument("--no-compile-cache", action="store_true", help="do not use the persistent compilation cache")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -94,12 +96,14 @@ def run_parallel(model, args, parallel: int, progress, rng) -> tuple[list[dict],
     """The pp and tg records for one parallel count, and the compile seconds."""
     from .engine.engine import Engine
     from .engine.sampling import SamplingParams
+    from .engine.startup import make_trace, placement_stats, residency_from_args
 
     p, n, depth = args.n_prompt, args.n_gen, args.depth
     prompt_len = depth + max(p, 1)
     ctx = prompt_len + n + 1
     engine = Engine(model, n_slots=parallel, max_context=ctx, ubatch=min(args.ubatch, 4096),
-                    kv_dtype=args.kv_dtype)
+                    kv_dtype=args.kv_dtype, residency=residency_from_args(model, args),
+                    routing_trace=make_trace(model, args))
     compile_s = engine.warmup(progress.update, chunks=_chunks_used(engine, depth, max(p, 1)),
                               buckets=[bucket_for(engine.buckets, parallel)])
     progress.done(f"parallel {parallel}: compiled in {compile_s:.2f} s")
@@ -129,6 +133,8 @@ def run_parallel(model, args, parallel: int, progress, rng) -> tuple[list[dict],
             records.append({"test": f"{test}{count}", "parallel": parallel, "depth": depth, "n_tokens": count,
                             "tps_median": statistics.median(samples), "tps_min": min(samples),
                             "tps_max": max(samples), "samples": samples})
+    if records:
+        placement_stats(engine, records[-1], args)
     return records, compile_s
 
 

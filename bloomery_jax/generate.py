@@ -19,6 +19,7 @@ import json
 import random
 import sys
 
+from .cli_options import PLACE_HELP, add_residency_args
 from .errors import BloomeryError, ConfigError
 
 
@@ -45,7 +46,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     p.add_argument("--ctx", type=int, help="positions in the KV cache (default: prompt + n, rounded up)")
     p.add_argument("--ubatch", type=int, default=512, help="prompt tokens per prefill step (<= 4096)")
-    p.add_argument("--place", default="card", help="where routed experts run: card | cpu-moe | n-cpu-moe=N | last-cpu-moe=N | budget=20GiB | override=REGEX (default card)")
+    p.add_argument("--place", default="card", help=PLACE_HELP)
+    add_residency_args(p)
     p.add_argument("--json", action="store_true", help="print token ids and timings as JSON")
     p.add_argument("--no-compile-cache", action="store_true", help="do not use the persistent compilation cache")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -89,7 +91,8 @@ def run(argv: list[str] | None = None, out=None, err=None) -> dict:
     from .engine.engine import Engine
     from .engine.sampling import SamplingParams
     from .engine.scheduler import Scheduler
-    from .engine.startup import Progress, enable_compile_cache, open_model
+    from .engine.startup import (Progress, enable_compile_cache, make_trace, open_model, placement_stats,
+                                 residency_from_args)
     from .engine.stops import StopConditions
 
     out = out or sys.stdout
@@ -109,7 +112,8 @@ def run(argv: list[str] | None = None, out=None, err=None) -> dict:
         repetition_penalty=args.repeat_penalty, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty,
         seed=args.seed if args.seed is not None else random.SystemRandom().getrandbits(63))
-    engine = Engine(model, n_slots=1, max_context=ctx, ubatch=args.ubatch)
+    engine = Engine(model, n_slots=1, max_context=ctx, ubatch=args.ubatch,
+                    residency=residency_from_args(model, args), routing_trace=make_trace(model, args))
     sched = Scheduler(engine, detokenizer=tok.detokenizer)
     stop = StopConditions.build(max_tokens=args.n_predict, stop_tokens=tok.eog_ids, stop_strings=args.stop)
     req = sched.submit(ids, params, stop)  # validates before compiling
@@ -131,6 +135,7 @@ def run(argv: list[str] | None = None, out=None, err=None) -> dict:
                     "prompt_tps": t.prompt_tps, "n_generated": t.n_generated, "decode_s": t.decode_s,
                     "decode_tps": t.decode_tps},
     }
+    placement_stats(engine, record, args)
     if args.json:
         out.write(json.dumps(record) + "\n")
     else:

@@ -78,11 +78,13 @@ class Engine:
       min_rows: smallest decode bucket (default 2 on the CPU, see _default_min_rows).
       placement: the expert placement handed to the forward (default: the model's own).
       residency: a ``placement.slots.LiveResidency`` swapping experts between steps, or None.
+      routing_trace: a ``placement.trace.TraceRecorder`` receiving every step's routing, or None.
     """
 
     def __init__(self, model, *, n_slots: int = 4, max_context: int | None = None, ubatch: int = 512,
                  min_chunk: int = 16, kv_dtype: str = "float32", n_top: int = sampling.MAX_N_PROBS,
-                 min_rows: int | None = None, placement=None, residency=None):
+                 min_rows: int | None = None, placement=None, residency=None,
+                 routing_trace=None):
         cfg = model.cfg
         if max_context is None:
             max_context = min(int(getattr(cfg, "context_length", 4096)), 4096)
@@ -97,6 +99,8 @@ class Engine:
         self.params = model.params
         self.placement = placement if placement is not None else getattr(model, "placement", None)
         self.residency = residency
+        self.routing_trace = routing_trace
+        self.card_calls = self.routed_calls = 0  # routed (token, expert) calls, and those the card served
         self.n_vocab = int(cfg.n_vocab)
         self.max_context = max_context
         self.ubatch = ubatch
@@ -196,9 +200,7 @@ class Engine:
             self.params, self.cache, self.sampler, self.placement, tokens, positions,
             np.int32(seq.slot), np.int32(n - 1), np.bool_(final))
         seq.n_cached += n
-        if self.residency is not None:
-            self.residency.after_step(self, self.last_routing.experts, positions < self.max_context,
-                                      prompt_key=id(seq), prompt_done=final)
+        self._observe_routing(positions < self.max_context, seq, final)
         if not final:
             return None
         return self._record([seq], out)[0]
@@ -223,9 +225,26 @@ class Engine:
             self.params, self.cache, self.sampler, self.placement, tokens, positions, active)
         for s in seqs:
             s.n_cached += 1
-        if self.residency is not None:
-            self.residency.after_step(self, self.last_routing.experts, active[:, None])
+        self._observe_routing(active[:, None])
         return self._record(seqs, out, rows=[s.slot for s in seqs])
+
+    def _observe_routing(self, mask, seq: Sequence | None = None, prompt_done: bool = False) -> None:
+        """Count card-served calls; hand the routing to the trace recorder and the residency controller."""
+        hybrid = self.placement is not None and self.placement.host is not None
+        if self.routing_trace is None and self.residency is None and not hybrid:
+            return
+        experts = np.asarray(self.last_routing.experts)  # [L, B, T, k]
+        if hybrid:
+            mask = np.asarray(mask, bool)
+            chosen = experts[:, mask]  # [L, N, k]
+            slots = np.take_along_axis(np.asarray(self.placement.slot_of), chosen.reshape(len(chosen), -1), axis=1)
+            self.card_calls += int((slots >= 0).sum())
+            self.routed_calls += int(slots.size)
+        if self.routing_trace is not None:
+            self.routing_trace.append(experts, "prefill" if seq is not None else "decode", mask)
+        if self.residency is not None:
+            self.residency.after_step(self, experts, mask, prompt_key=None if seq is None else id(seq),
+                                      prompt_done=prompt_done)
 
     def _record(self, seqs, out: sampling.SampleOut, rows=None) -> list[Sampled]:
         token, logprob, top_ids, top_lp = jax.device_get(out)  # all four copies started before any wait

@@ -14,6 +14,7 @@ import sys
 import time
 
 import jax
+import numpy as np
 
 from ..errors import UnsupportedArchitectureError
 
@@ -102,3 +103,67 @@ def open_model(path, progress: Progress, place: str = "card"):
         where = f", {describe_placement(model)}"
     progress.done(f"loaded {path} ({model.gguf.architecture}{where}) in {seconds:.2f} s")
     return model, tokenizer, seconds
+
+
+def make_residency(model, policy: str = "off", *, prompt_streaming: bool = True, max_swaps: int | None = None):
+    """A LiveResidency (policy lfu | lru) over ``model``, or None for "off"; ConfigError when it cannot apply."""
+    from ..errors import ConfigError
+
+    if policy == "off":
+        return None
+    if model.placement is None or model.placement.host is None:
+        raise ConfigError(f"--residency {policy} needs host experts: choose --place other than 'card'")
+    if max_swaps is not None and max_swaps < 1:
+        raise ConfigError(f"--max-swaps must be >= 1, got {max_swaps}")
+    from ..placement.residency import make_policy
+    from ..placement.slots import LiveResidency
+
+    return LiveResidency.for_model(model, make_policy(policy), prompt_streaming=prompt_streaming,
+                                   max_swaps_per_layer=max_swaps)
+
+
+def residency_from_args(model, args):
+    return make_residency(model, args.residency, prompt_streaming=not args.no_prompt_streaming,
+                          max_swaps=args.max_swaps)
+
+
+def make_trace(model, args):
+    """A TraceRecorder when ``--record-routing`` was given, else None."""
+    from ..errors import ConfigError
+
+    if not getattr(args, "record_routing", None):
+        return None
+    if model.placement is None:
+        raise ConfigError("--record-routing needs a model with routed experts")
+    from ..placement.trace import TraceRecorder
+
+    L, E = np.asarray(model.placement.slot_of).shape
+    return TraceRecorder(L, E, metadata=dict(model=str(model.path), placement=str(args.place)))
+
+
+def placement_stats(engine, record: dict, args) -> None:
+    """Add the placement's numbers to a result record; save the routing trace if one was kept.
+
+    Adds ``placement`` (the rule), ``card_served_fraction`` of the routed calls (with residency
+    also over the last 16 steps), swaps and bytes moved, and the host bridge's call count and
+    seconds inside the host kernels.
+    """
+    model = engine.model
+    if model.placement is None:  # a dense model: nothing placed (make_trace refused a trace)
+        return
+    stats = {"rule": str(args.place)}
+    host = model.placement.host
+    if host is not None:
+        stats["host_calls"] = host.stats.calls
+        stats["host_pairs"] = host.stats.pairs
+        stats["host_kernel_s"] = host.stats.seconds
+    if engine.residency is not None:
+        stats.update(engine.residency.stats())
+        stats["policy"] = args.residency
+        stats["prompt_streaming"] = not args.no_prompt_streaming
+    if engine.routed_calls:
+        stats["card_served_fraction"] = engine.card_calls / engine.routed_calls
+    if engine.routing_trace is not None:
+        engine.routing_trace.save(args.record_routing)
+        stats["routing_trace"] = str(args.record_routing)
+    record["placement"] = stats

@@ -26,9 +26,13 @@ from .registry import module_for_file
 from .spec import check_tensors
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(eq=False)
 class Model:
-    """A loaded model: ``module.forward(params, cfg, tokens, positions, cache)`` runs it."""
+    """A loaded model: ``module.forward(params, cfg, tokens, positions, cache, placement)`` runs it.
+
+    ``params`` and ``placement`` are the live state of the card: adaptive residency replaces
+    expert buffers in ``params`` (in place, donated) and the ``placement`` table together.
+    """
 
     gguf: GGUFFile
     cfg: object  # the architecture's Config (frozen, hashable)

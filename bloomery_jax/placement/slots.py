@@ -132,7 +132,7 @@ class LiveResidency:
             from .table import Placement
 
             table = jax.device_put(self.controller.slot_of, jax.devices()[0])
-            engine.placement = Placement(table, self.host)
+            engine.placement = engine.model.placement = Placement(table, self.host)
         self.seconds += time.perf_counter() - t0
 
     def forget(self, prompt_key: int) -> None:

@@ -106,7 +106,7 @@ def create_app(provider: Provider, api_key: str | None = None) -> FastAPI:
         n_slots = provider.engine.n_slots if provider.engine is not None else 0
         text = provider.metrics.render(running=running, queued=waiting, slots=n_slots,
                                        queue_bound=provider.options.queue, kv_used=provider.kv_usage(),
-                                       in_flight=provider.in_flight())
+                                       in_flight=provider.in_flight(), placement=provider.placement_counters())
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/slots")

@@ -19,6 +19,7 @@ import os
 import sys
 import threading
 
+from ..cli_options import add_residency_args
 from ..errors import BloomeryError
 from ..settings import CONFIG_DIR, load_settings
 
@@ -44,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--parallel", "-np", type=int, help="sequence slots (default: RuntimeSettings.parallel)")
     p.add_argument("--place", help="where routed experts run: card | cpu-moe | n-cpu-moe=N | last-cpu-moe=N | "
                                    "budget=20GiB | override=REGEX (default: RuntimeSettings.placement)")
+    add_residency_args(p, record_routing=False)
     p.add_argument("--queue", type=int, default=16, help="requests that may wait for a slot (default 16)")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds a request may take, queue wait included (default 600)")
@@ -111,7 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     from .provider import Provider, ProviderOptions
 
     options = ProviderOptions(model=args.model, settings=settings, parallel=args.parallel, queue=args.queue,
-                              time_limit=args.timeout, alias=args.alias, full_warmup=args.full_warmup)
+                              time_limit=args.timeout, alias=args.alias, full_warmup=args.full_warmup,
+                              residency=args.residency, prompt_streaming=not args.no_prompt_streaming,
+                              max_swaps=args.max_swaps)
     provider = Provider(options).start()
     server = uvicorn.Server(uvicorn.Config(create_app(provider, args.api_key), host=args.host, port=args.port,
                                            log_level=args.log_level, timeout_graceful_shutdown=5))

@@ -54,8 +54,9 @@ class Metrics:
             self._recent.popleft()
 
     def render(self, *, running: int, queued: int, slots: int, queue_bound: int, kv_used: float,
-               in_flight: int) -> str:
-        """The exposition text."""
+               in_flight: int, placement: dict | None = None) -> str:
+        """The exposition text. ``placement`` (engines with host experts): routed and card-served
+        expert calls, and with residency the swaps and bytes moved to the card."""
         now = time.perf_counter()
         with self._lock:
             self._trim(now)
@@ -85,6 +86,21 @@ class Metrics:
                 ("requests_rejected_total", "counter", "Requests refused before running, by reason.",
                  [(f'{{reason="{k}"}}', v) for k, v in sorted(self.rejected.items())]),
             ]
+        if placement:
+            routed, card = placement["routed_calls"], placement["card_calls"]
+            rows += [
+                ("expert_calls_total", "counter", "Routed (token, expert) calls.", [("", routed)]),
+                ("expert_calls_card_total", "counter", "Routed calls the card served.", [("", card)]),
+                ("expert_card_served_ratio", "gauge", "Fraction of routed calls the card served.",
+                 [("", card / routed if routed else 0.0)]),
+            ]
+            if "swaps_total" in placement:
+                rows += [
+                    ("expert_swaps_total", "counter", "Experts seated on the card by residency.",
+                     [("", placement["swaps_total"])]),
+                    ("expert_swap_bytes_total", "counter", "Bytes of expert blocks copied to the card.",
+                     [("", placement["bytes_moved"])]),
+                ]
         out = []
         for name, kind, doc, samples in rows:
             full = f"bloomery_{name}"

@@ -58,6 +58,9 @@ class ProviderOptions:
     time_limit: float = 600.0
     alias: str | None = None
     full_warmup: bool = False  # compile every prefill chunk before ready (else the longer ones while idle)
+    residency: str = "off"  # off | lfu | lru: swap experts between card slots and the host as routing is counted
+    prompt_streaming: bool = True  # with residency: seat a prompt's hottest experts when it ends
+    max_swaps: int | None = None  # with residency: most swaps per layer per decode step
 
 
 def _log(msg: str) -> None:
@@ -106,6 +109,7 @@ class Provider:
         # Imported here: jax and the model code load in this thread while the server already answers.
         from .. import default_model
         from ..engine.engine import Engine
+        from ..engine.startup import make_residency
         from ..models.loader import load_model
         from ..tokenizer import Tokenizer
 
@@ -131,8 +135,10 @@ class Provider:
         if st.kernels != "reference":
             self.log(f"note: kernels={st.kernels!r} is not wired into the engine yet; it runs the reference path")
         parallel = opts.parallel or st.parallel
+        residency = make_residency(model, opts.residency, prompt_streaming=opts.prompt_streaming,
+                                   max_swaps=opts.max_swaps)
         engine = Engine(model, n_slots=parallel, max_context=n_ctx, ubatch=min(st.ubatch, n_ctx),
-                        kv_dtype=st.kv_dtype)
+                        kv_dtype=st.kv_dtype, residency=residency)
         # Each shape costs seconds of tracing and compiling on a CPU; the decode buckets and the
         # shortest prefill chunk are enough to serve, the longer chunks compile while idle.
         first = engine.chunks if opts.full_warmup else engine.chunks[:1]
@@ -316,6 +322,16 @@ class Provider:
         """Jobs submitted whose finishing event has not been forwarded yet."""
         with self._jobs_lock:
             return len(self._jobs)
+
+    def placement_counters(self) -> dict | None:
+        """Expert-call counters of an engine with host experts (None otherwise)."""
+        eng = self.engine
+        if eng is None or eng.placement is None or eng.placement.host is None:
+            return None
+        out = {"routed_calls": eng.routed_calls, "card_calls": eng.card_calls}
+        if eng.residency is not None:
+            out.update(eng.residency.controller.stats())
+        return out
 
     def kv_usage(self) -> float:
         """Filled fraction of the slots' positions (from the running requests' lengths)."""

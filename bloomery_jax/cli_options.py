@@ -1,0 +1,20 @@
+"""Command-line options shared by generate, bench, eval and serve (no JAX import: --help stays quick)."""
+
+from __future__ import annotations
+
+PLACE_HELP = ("where routed experts run: card | cpu-moe | n-cpu-moe=N | last-cpu-moe=N | budget=20GiB | "
+              "override=REGEX (default card)")
+
+
+def add_residency_args(parser, record_routing: bool = True) -> None:
+    """The adaptive-residency options shared by generate, bench and serve."""
+    parser.add_argument("--residency", choices=("off", "lfu", "lru"), default="off",
+                        help="swap routed experts between the card slots and the host as routing is counted "
+                             "(needs host experts; default off)")
+    parser.add_argument("--no-prompt-streaming", action="store_true",
+                        help="with --residency: do not seat a prompt's hottest experts when it ends")
+    parser.add_argument("--max-swaps", type=int, default=None,
+                        help="with --residency: most swaps per layer per decode step (default: no cap)")
+    if record_routing:
+        parser.add_argument("--record-routing", metavar="TRACE.npz",
+                            help="save every step's routing (for scripts/placement_sweep.py)")
