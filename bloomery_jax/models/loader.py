@@ -58,7 +58,7 @@ def check_types(gf: GGUFFile) -> None:
 
 
 def load_model(path: str | os.PathLike, *, device=None, place="card", reserve_bytes: int = 0,
-               host_threads: int | None = None) -> Model:
+               host_threads: int | None = None, host_act: str | None = None) -> Model:
     """Open ``path``, check it against its architecture, and put its tensors on ``device``.
 
     Args:
@@ -67,6 +67,8 @@ def load_model(path: str | os.PathLike, *, device=None, place="card", reserve_by
       place: a placement rule string (``placement.parse_rule``) or rule object.
       reserve_bytes: card bytes the caller needs besides the weights (KV cache), for budget rules.
       host_threads: Numba threads of the host experts (None = Numba's default).
+      host_act: host experts' activations, "q8" (rounded to 8 bits as llama.cpp's CPU backend does,
+        integer block sums) or "f32"; None = ``host.DEFAULT_ACT``.
     Returns:
       the Model.
     """
@@ -95,14 +97,14 @@ def load_model(path: str | os.PathLike, *, device=None, place="card", reserve_by
         params[info.name] = QTensor(jax.device_put(data, device), int(info.qtype), shape)
     placement = None
     if expert_layer:
-        bridge = _host_bridge(gf.path, host_tensors, host_threads) if host_tensors else None
+        bridge = _host_bridge(gf.path, host_tensors, host_threads, host_act) if host_tensors else None
         placement = Placement(jax.device_put(slot_table(on_card), device), bridge)
     return Model(gguf=gf, cfg=cfg, params=params, module=module, placement=placement)
 
 
-def _host_bridge(path: str, host_tensors: dict, threads: int | None):
+def _host_bridge(path: str, host_tensors: dict, threads: int | None, act: str | None):
     """A HostBridge over every expert of the layers that have host experts (views of the file)."""
-    from ..host import HostExpertLayer, HostTensor
+    from ..host import DEFAULT_ACT, HostExpertLayer, HostTensor
     from ..host.bridge import HostBridge
 
     by_layer: dict[int, dict[str, HostTensor]] = {}
@@ -112,7 +114,7 @@ def _host_bridge(path: str, host_tensors: dict, threads: int | None):
     layers = {}
     for layer, t in by_layer.items():
         try:
-            layers[layer] = HostExpertLayer(t["gate"], t["up"], t["down"])
+            layers[layer] = HostExpertLayer(t["gate"], t["up"], t["down"], act=act or DEFAULT_ACT)
         except ValueError as e:  # a ggml type without a host kernel: say so at load
             raise GGUFError(path, f"experts of layer {layer} cannot run on the host: {e}",
                             tensor=f"blk.{layer}.ffn_gate_exps.weight") from None

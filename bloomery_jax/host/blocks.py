@@ -1,0 +1,448 @@
+"""Numba row dot products on raw GGUF blocks, and the activation quantizers they pair with.
+
+Each ``dot_<format>_<act>(row, ...) -> float32`` takes one weight row as the file's bytes
+(uint8 ``[row_bytes]``, a view of the memmap) and one activation row, and returns their dot
+product without ever writing the dequantized row out. Two activation variants:
+
+* ``_f32``: float32 activations. Each block's products are summed as ``scale * quant * x``
+  in float32 (the min term of Q4_K/Q5_K through precomputed sums of ``x`` per 32).
+* ``_q8``: activations rounded to 8 bits as ggml's CPU backend does (``bloomery_jax.ops.actquant``
+  is the spec; :func:`quantize_q8_k` / :func:`quantize_q8_0` are bit-equal to it): Q8_K (one
+  f32 scale per 256, int32 sums per 32) for the K-quants, Q8_0 (f16 scale per 32) for Q8_0.
+  Products are exact int32 sums per block; only the per-block combination is float.
+  F32/F16/BF16 weights always take float32 activations.
+
+Vectorization (checked with ``inspect_asm``, LLVM 22 via llvmlite 0.50, znver4): every hot loop
+is a fixed 32- (Q6_K: 16-) trip loop whose body covers a whole 256-element block (Q8_0: four
+32-element blocks), so LLVM keeps it a loop and the loop vectorizer turns it into packed SIMD.
+A smaller body (one 32-element block) gets fully unrolled first and then stays scalar (2 GB/s
+instead of 17 for Q8_0). Numba types int32*int32 as int64, so every partial product is wrapped
+back to int16/int32 explicitly; without that LLVM uses 64-bit lanes (vpmuldq, 4 per ymm).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+f32 = np.float32
+i32 = np.int32
+i16 = np.int16
+
+# Kernel format codes (runtime ints in the compiled kernels: one compilation serves every format).
+F32, F16, BF16, Q8_0, Q4_K, Q5_K, Q6_K = range(7)
+FORMAT_NAMES = ("F32", "F16", "BF16", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+QK_K = 256
+
+_JIT = dict(cache=True, fastmath=True, nogil=True)
+# The activation quantizers must round exactly like ggml (no reassociation, no reciprocal estimates).
+_JIT_EXACT = dict(cache=True, fastmath=False, nogil=True)
+
+
+def conversion_tables() -> tuple[np.ndarray, np.ndarray]:
+    """f16 and bf16 bit patterns → float32 values: two float32 [65536] lookup tables (exact)."""
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    tab16 = bits.view(np.float16).astype(np.float32)
+    tabbf = (bits.astype(np.uint32) << 16).view(np.float32)
+    return tab16, tabbf
+
+
+@njit(inline="always")
+def _f16(row, o, tab16):
+    return tab16[np.int64(row[o]) | (np.int64(row[o + 1]) << 8)]
+
+
+@njit(inline="always")
+def _k4_scales(row, o):
+    """Q4_K/Q5_K: the eight 6-bit scales and mins of the block at byte ``o`` (12 bytes at o + 4)."""
+    a, b, c = o + 4, o + 8, o + 12
+    s0 = i32(row[a] & 63)
+    s1 = i32(row[a + 1] & 63)
+    s2 = i32(row[a + 2] & 63)
+    s3 = i32(row[a + 3] & 63)
+    s4 = i32((row[c] & 15) | ((row[a] >> 2) & 0x30))
+    s5 = i32((row[c + 1] & 15) | ((row[a + 1] >> 2) & 0x30))
+    s6 = i32((row[c + 2] & 15) | ((row[a + 2] >> 2) & 0x30))
+    s7 = i32((row[c + 3] & 15) | ((row[a + 3] >> 2) & 0x30))
+    m0 = i32(row[b] & 63)
+    m1 = i32(row[b + 1] & 63)
+    m2 = i32(row[b + 2] & 63)
+    m3 = i32(row[b + 3] & 63)
+    m4 = i32((row[c] >> 4) | ((row[b] >> 2) & 0x30))
+    m5 = i32((row[c + 1] >> 4) | ((row[b + 1] >> 2) & 0x30))
+    m6 = i32((row[c + 2] >> 4) | ((row[b + 2] >> 2) & 0x30))
+    m7 = i32((row[c + 3] >> 4) | ((row[b + 3] >> 2) & 0x30))
+    return s0, s1, s2, s3, s4, s5, s6, s7, m0, m1, m2, m3, m4, m5, m6, m7
+
+
+@njit(inline="always")
+def _k4_min_term(row, block_bytes, xd, xb, tab16):
+    """Q4_K/Q5_K · Q8_K: the sum over blocks of xd dmin sum_j m_j xb_j.
+
+    A loop of its own: computed inside the block loop, it stopped LLVM from vectorizing the
+    quant loop ("value that could not be identified as reduction is used outside the loop").
+    """
+    acc = f32(0)
+    for b in range(row.shape[0] // block_bytes):
+        o = b * block_bytes
+        _, _, _, _, _, _, _, _, m0, m1, m2, m3, m4, m5, m6, m7 = _k4_scales(row, o)
+        j = b * 8
+        mins = i32(m0 * xb[j] + m1 * xb[j + 1] + m2 * xb[j + 2] + m3 * xb[j + 3]
+                   + m4 * xb[j + 4] + m5 * xb[j + 5] + m6 * xb[j + 6] + m7 * xb[j + 7])
+        acc += xd[b] * _f16(row, o + 2, tab16) * f32(mins)
+    return acc
+
+
+# ---------------------------------------------------------------------------------------------
+# Q4_K: d | dmin | scales[12] | qs[128]; sub-block j, element l: nibble j % 2 of qs[32 (j // 2) + l]
+
+
+@njit(**_JIT)
+def dot_q4_k_f32(row, x, xs, tab16):
+    """Q4_K row · float32 x. ``xs``: float32 [K / 32] sums of x per 32 (for the mins)."""
+    acc = f32(0)
+    for b in range(row.shape[0] // 144):
+        o = b * 144
+        x0 = b * 256
+        d = _f16(row, o, tab16)
+        dmin = _f16(row, o + 2, tab16)
+        s0, s1, s2, s3, s4, s5, s6, s7, m0, m1, m2, m3, m4, m5, m6, m7 = _k4_scales(row, o)
+        c0, c1, c2, c3 = d * f32(s0), d * f32(s1), d * f32(s2), d * f32(s3)
+        c4, c5, c6, c7 = d * f32(s4), d * f32(s5), d * f32(s6), d * f32(s7)
+        q = o + 16
+        s = f32(0)
+        for l in range(32):
+            b0, b1, b2, b3 = row[q + l], row[q + 32 + l], row[q + 64 + l], row[q + 96 + l]
+            s += (c0 * f32(i32(b0 & 15)) * x[x0 + l] + c1 * f32(i32(b0 >> 4)) * x[x0 + 32 + l]
+                  + c2 * f32(i32(b1 & 15)) * x[x0 + 64 + l] + c3 * f32(i32(b1 >> 4)) * x[x0 + 96 + l]
+                  + c4 * f32(i32(b2 & 15)) * x[x0 + 128 + l] + c5 * f32(i32(b2 >> 4)) * x[x0 + 160 + l]
+                  + c6 * f32(i32(b3 & 15)) * x[x0 + 192 + l] + c7 * f32(i32(b3 >> 4)) * x[x0 + 224 + l])
+        j = b * 8
+        mins = (f32(m0) * xs[j] + f32(m1) * xs[j + 1] + f32(m2) * xs[j + 2] + f32(m3) * xs[j + 3]
+                + f32(m4) * xs[j + 4] + f32(m5) * xs[j + 5] + f32(m6) * xs[j + 6] + f32(m7) * xs[j + 7])
+        acc += s - dmin * mins
+    return acc
+
+
+@njit(**_JIT)
+def dot_q4_k_q8(row, xq, xd, xb, tab16):
+    """Q4_K row · Q8_K x: ``xq`` int8 [K], ``xd`` float32 [K / 256], ``xb`` int32 [K / 32] sums of xq."""
+    acc = f32(0)
+    for b in range(row.shape[0] // 144):
+        o = b * 144
+        x0 = b * 256
+        s0, s1, s2, s3, s4, s5, s6, s7, m0, m1, m2, m3, m4, m5, m6, m7 = _k4_scales(row, o)
+        q = o + 16
+        s = i32(0)
+        for l in range(32):
+            b0, b1, b2, b3 = row[q + l], row[q + 32 + l], row[q + 64 + l], row[q + 96 + l]
+            # each product fits int16 (15 * 127); the 6-bit scale takes it to int32 (vpmaddwd)
+            s = i32(s + s0 * i32(i16(b0 & 15) * i16(xq[x0 + l])) + s1 * i32(i16(b0 >> 4) * i16(xq[x0 + 32 + l]))
+                    + s2 * i32(i16(b1 & 15) * i16(xq[x0 + 64 + l])) + s3 * i32(i16(b1 >> 4) * i16(xq[x0 + 96 + l]))
+                    + s4 * i32(i16(b2 & 15) * i16(xq[x0 + 128 + l])) + s5 * i32(i16(b2 >> 4) * i16(xq[x0 + 160 + l]))
+                    + s6 * i32(i16(b3 & 15) * i16(xq[x0 + 192 + l])) + s7 * i32(i16(b3 >> 4) * i16(xq[x0 + 224 + l])))
+        acc += xd[b] * _f16(row, o, tab16) * f32(s)
+    return acc - _k4_min_term(row, 144, xd, xb, tab16)
+
+
+# ---------------------------------------------------------------------------------------------
+# Q5_K: d | dmin | scales[12] | qh[32] | qs[128]; as Q4_K, plus bit j of qh[l] as the 5th bit
+
+
+@njit(inline="always")
+def _q5(lo, h, j):
+    # narrowed step by step: numba widens every integer op to int64, and LLVM keeps 64-bit lanes otherwise
+    return i32(i32((lo >> (4 * (j & 1))) & 15) | i32(i32((h >> j) & 1) << 4))
+
+
+@njit(**_JIT)
+def dot_q5_k_f32(row, x, xs, tab16):
+    acc = f32(0)
+    for b in range(row.shape[0] // 176):
+        o = b * 176
+        x0 = b * 256
+        d = _f16(row, o, tab16)
+        dmin = _f16(row, o + 2, tab16)
+        s0, s1, s2, s3, s4, s5, s6, s7, m0, m1, m2, m3, m4, m5, m6, m7 = _k4_scales(row, o)
+        c0, c1, c2, c3 = d * f32(s0), d * f32(s1), d * f32(s2), d * f32(s3)
+        c4, c5, c6, c7 = d * f32(s4), d * f32(s5), d * f32(s6), d * f32(s7)
+        qh = o + 16
+        q = o + 48
+        s = f32(0)
+        for l in range(32):
+            h = row[qh + l]
+            b0, b1, b2, b3 = row[q + l], row[q + 32 + l], row[q + 64 + l], row[q + 96 + l]
+            s += (c0 * f32(i32(_q5(b0, h, 0))) * x[x0 + l] + c1 * f32(i32(_q5(b0, h, 1))) * x[x0 + 32 + l]
+                  + c2 * f32(i32(_q5(b1, h, 2))) * x[x0 + 64 + l] + c3 * f32(i32(_q5(b1, h, 3))) * x[x0 + 96 + l]
+                  + c4 * f32(i32(_q5(b2, h, 4))) * x[x0 + 128 + l] + c5 * f32(i32(_q5(b2, h, 5))) * x[x0 + 160 + l]
+                  + c6 * f32(i32(_q5(b3, h, 6))) * x[x0 + 192 + l] + c7 * f32(i32(_q5(b3, h, 7))) * x[x0 + 224 + l])
+        j = b * 8
+        mins = (f32(m0) * xs[j] + f32(m1) * xs[j + 1] + f32(m2) * xs[j + 2] + f32(m3) * xs[j + 3]
+                + f32(m4) * xs[j + 4] + f32(m5) * xs[j + 5] + f32(m6) * xs[j + 6] + f32(m7) * xs[j + 7])
+        acc += s - dmin * mins
+    return acc
+
+
+@njit(**_JIT)
+def dot_q5_k_q8(row, xq, xd, xb, tab16):
+    acc = f32(0)
+    for b in range(row.shape[0] // 176):
+        o = b * 176
+        x0 = b * 256
+        s0, s1, s2, s3, s4, s5, s6, s7, m0, m1, m2, m3, m4, m5, m6, m7 = _k4_scales(row, o)
+        qh = o + 16
+        q = o + 48
+        s = i32(0)
+        for l in range(32):
+            h = row[qh + l]
+            b0, b1, b2, b3 = row[q + l], row[q + 32 + l], row[q + 64 + l], row[q + 96 + l]
+            s = i32(s + s0 * i32(i16(_q5(b0, h, 0)) * i16(xq[x0 + l]))
+                    + s1 * i32(i16(_q5(b0, h, 1)) * i16(xq[x0 + 32 + l]))
+                    + s2 * i32(i16(_q5(b1, h, 2)) * i16(xq[x0 + 64 + l]))
+                    + s3 * i32(i16(_q5(b1, h, 3)) * i16(xq[x0 + 96 + l]))
+                    + s4 * i32(i16(_q5(b2, h, 4)) * i16(xq[x0 + 128 + l]))
+                    + s5 * i32(i16(_q5(b2, h, 5)) * i16(xq[x0 + 160 + l]))
+                    + s6 * i32(i16(_q5(b3, h, 6)) * i16(xq[x0 + 192 + l]))
+                    + s7 * i32(i16(_q5(b3, h, 7)) * i16(xq[x0 + 224 + l])))
+        acc += xd[b] * _f16(row, o, tab16) * f32(s)
+    return acc - _k4_min_term(row, 176, xd, xb, tab16)
+
+
+# ---------------------------------------------------------------------------------------------
+# Q6_K: ql[128] | qh[64] | scales[16] (int8) | d. In half h (128 elements), element 32 g + l:
+# low 4 bits: nibble g // 2 of ql[64 h + 32 (g % 2) + l]; high 2 bits: bits 2g of qh[32 h + l];
+# value (q - 32) * scale[8 h + (32 g + l) // 16] * d.
+
+
+@njit(inline="always")
+def _q6(row, ql, qh, g, l):
+    lo = i32((row[ql + 32 * (g & 1) + l] >> (4 * (g >> 1))) & 15)
+    return i32(i32(lo | i32(i32((row[qh + l] >> (2 * g)) & 3) << 4)) - 32)
+
+
+@njit(inline="always")
+def _p16(a, b):
+    """a * b known to fit int16, said so to LLVM (truncation) so that it can use vpmaddwd."""
+    return i32(i16(i16(a) * i16(b)))
+
+
+@njit(inline="always")
+def _i8(v):
+    return i32(np.int8(v))  # a sign extension: LLVM then knows the value fits 8 bits
+
+
+@njit(**_JIT)
+def dot_q6_k_f32(row, x, tab16):
+    acc = f32(0)
+    for b in range(row.shape[0] // 210):
+        o = b * 210
+        d = _f16(row, o + 208, tab16)
+        sc = o + 192
+        for h in range(2):
+            ql = o + 64 * h
+            qh = o + 128 + 32 * h
+            x0 = b * 256 + 128 * h
+            k = sc + 8 * h
+            c0, c1, c2, c3 = d * f32(_i8(row[k])), d * f32(_i8(row[k + 1])), d * f32(_i8(row[k + 2])), d * f32(_i8(row[k + 3]))
+            c4, c5, c6, c7 = d * f32(_i8(row[k + 4])), d * f32(_i8(row[k + 5])), d * f32(_i8(row[k + 6])), d * f32(_i8(row[k + 7]))
+            s = f32(0)
+            for l in range(16):
+                m = l + 16
+                s += (c0 * f32(_q6(row, ql, qh, 0, l)) * x[x0 + l] + c1 * f32(_q6(row, ql, qh, 0, m)) * x[x0 + m]
+                      + c2 * f32(_q6(row, ql, qh, 1, l)) * x[x0 + 32 + l] + c3 * f32(_q6(row, ql, qh, 1, m)) * x[x0 + 32 + m]
+                      + c4 * f32(_q6(row, ql, qh, 2, l)) * x[x0 + 64 + l] + c5 * f32(_q6(row, ql, qh, 2, m)) * x[x0 + 64 + m]
+                      + c6 * f32(_q6(row, ql, qh, 3, l)) * x[x0 + 96 + l] + c7 * f32(_q6(row, ql, qh, 3, m)) * x[x0 + 96 + m])
+            acc += s
+    return acc
+
+
+@njit(**_JIT)
+def dot_q6_k_q8(row, xq, xd, tab16):
+    acc = f32(0)
+    for b in range(row.shape[0] // 210):
+        o = b * 210
+        sc = o + 192
+        s = i32(0)
+        for h in range(2):
+            ql = o + 64 * h
+            qh = o + 128 + 32 * h
+            x0 = b * 256 + 128 * h
+            k = sc + 8 * h
+            c0, c1, c2, c3 = _i8(row[k]), _i8(row[k + 1]), _i8(row[k + 2]), _i8(row[k + 3])
+            c4, c5, c6, c7 = _i8(row[k + 4]), _i8(row[k + 5]), _i8(row[k + 6]), _i8(row[k + 7])
+            for l in range(16):
+                m = l + 16
+                # (q - 32) * x fits int16 (32 * 127); the int8 scale takes it to int32
+                s = i32(s + c0 * _p16(_q6(row, ql, qh, 0, l), xq[x0 + l])
+                        + c1 * _p16(_q6(row, ql, qh, 0, m), xq[x0 + m])
+                        + c2 * _p16(_q6(row, ql, qh, 1, l), xq[x0 + 32 + l])
+                        + c3 * _p16(_q6(row, ql, qh, 1, m), xq[x0 + 32 + m])
+                        + c4 * _p16(_q6(row, ql, qh, 2, l), xq[x0 + 64 + l])
+                        + c5 * _p16(_q6(row, ql, qh, 2, m), xq[x0 + 64 + m])
+                        + c6 * _p16(_q6(row, ql, qh, 3, l), xq[x0 + 96 + l])
+                        + c7 * _p16(_q6(row, ql, qh, 3, m), xq[x0 + 96 + m]))
+        acc += xd[b] * (_f16(row, o + 208, tab16) * f32(s))
+    return acc
+
+
+# ---------------------------------------------------------------------------------------------
+# Q8_0: d (f16) | qs[32] (int8). Four blocks per loop body (see the module docstring).
+
+
+@njit(**_JIT)
+def dot_q8_0_f32(row, x, tab16):
+    nb = row.shape[0] // 34
+    acc = f32(0)
+    for b in range(0, nb - nb % 4, 4):
+        o = b * 34
+        x0 = b * 32
+        s0 = f32(0)
+        s1 = f32(0)
+        s2 = f32(0)
+        s3 = f32(0)
+        for l in range(32):
+            s0 += f32(np.int8(row[o + 2 + l])) * x[x0 + l]
+            s1 += f32(np.int8(row[o + 36 + l])) * x[x0 + 32 + l]
+            s2 += f32(np.int8(row[o + 70 + l])) * x[x0 + 64 + l]
+            s3 += f32(np.int8(row[o + 104 + l])) * x[x0 + 96 + l]
+        acc += (_f16(row, o, tab16) * s0 + _f16(row, o + 34, tab16) * s1
+                + _f16(row, o + 68, tab16) * s2 + _f16(row, o + 102, tab16) * s3)
+    for b in range(nb - nb % 4, nb):  # rows of 32 * (4 n + r) elements: a scalar tail
+        o = b * 34
+        s = f32(0)
+        for l in range(32):
+            s += f32(np.int8(row[o + 2 + l])) * x[b * 32 + l]
+        acc += _f16(row, o, tab16) * s
+    return acc
+
+
+@njit(**_JIT)
+def dot_q8_0_q8(row, xq, xd, tab16):
+    """Q8_0 row · Q8_0 x: ``xq`` int8 [K], ``xd`` float32 [K / 32] (f16-rounded scales)."""
+    nb = row.shape[0] // 34
+    acc = f32(0)
+    for b in range(0, nb - nb % 4, 4):
+        o = b * 34
+        x0 = b * 32
+        s0 = i32(0)
+        s1 = i32(0)
+        s2 = i32(0)
+        s3 = i32(0)
+        for l in range(32):
+            s0 = i32(s0 + i32(np.int8(row[o + 2 + l])) * i32(xq[x0 + l]))
+            s1 = i32(s1 + i32(np.int8(row[o + 36 + l])) * i32(xq[x0 + 32 + l]))
+            s2 = i32(s2 + i32(np.int8(row[o + 70 + l])) * i32(xq[x0 + 64 + l]))
+            s3 = i32(s3 + i32(np.int8(row[o + 104 + l])) * i32(xq[x0 + 96 + l]))
+        acc += (_f16(row, o, tab16) * xd[b] * f32(s0) + _f16(row, o + 34, tab16) * xd[b + 1] * f32(s1)
+                + _f16(row, o + 68, tab16) * xd[b + 2] * f32(s2) + _f16(row, o + 102, tab16) * xd[b + 3] * f32(s3))
+    for b in range(nb - nb % 4, nb):
+        o = b * 34
+        s = i32(0)
+        for l in range(32):
+            s = i32(s + i32(np.int8(row[o + 2 + l])) * i32(xq[b * 32 + l]))
+        acc += _f16(row, o, tab16) * xd[b] * f32(s)
+    return acc
+
+
+# ---------------------------------------------------------------------------------------------
+# Float rows (the bytes of F32 / F16 / BF16 values)
+
+
+@njit(**_JIT)
+def dot_f32(row, x):
+    w = row.view(np.float32)
+    acc = f32(0)
+    for i in range(w.shape[0]):
+        acc += w[i] * x[i]
+    return acc
+
+
+@njit(**_JIT)
+def dot_f16(row, x, tab):
+    """F16 (``tab`` = the f16 table) or BF16 (the bf16 table) row · float32 x, by table lookup."""
+    w = row.view(np.uint16)
+    acc = f32(0)
+    for i in range(w.shape[0]):
+        acc += tab[w[i]] * x[i]
+    return acc
+
+
+# ---------------------------------------------------------------------------------------------
+# Activation rounding, bit-equal with bloomery_jax.ops.actquant (ggml-cpu's x86 paths)
+
+
+@njit(**_JIT_EXACT)
+def quantize_q8_k(x, xq, xd, xb):
+    """float32 x [K] → Q8_K: xq int8 [K], xd float32 [K / 256], xb int32 [K / 32] (sums of xq).
+
+    Per 256: the first element of largest |x| sets ``iscale = -127 / x_max``; ``q = min(127,
+    rint(iscale * x))`` (half to even, as ggml's nearest_int) and the value is ``q * (1 / iscale)``.
+    """
+    for b in range(x.shape[0] // QK_K):
+        x0 = b * QK_K
+        amax = f32(0)
+        vmax = f32(0)
+        for j in range(QK_K):
+            a = abs(x[x0 + j])
+            if a > amax:
+                amax = a
+                vmax = x[x0 + j]
+        if amax == 0:
+            xd[b] = 0
+            for j in range(QK_K):
+                xq[x0 + j] = 0
+            for j in range(8):
+                xb[b * 8 + j] = 0
+            continue
+        iscale = f32(f32(-127.0) / vmax)
+        for j in range(QK_K):
+            v = np.rint(f32(iscale * x[x0 + j]))
+            xq[x0 + j] = np.int8(min(f32(127.0), v))
+        xd[b] = f32(f32(1.0) / iscale)
+        for j in range(8):
+            s = 0
+            for i in range(32):
+                s += np.int64(xq[x0 + 32 * j + i])
+            xb[b * 8 + j] = s
+
+
+@njit(**_JIT_EXACT)
+def f16_round(v):
+    """The float32 value of float16(v) (round to nearest even; inf beyond 65504), v >= 0 finite."""
+    if v == 0:
+        return f32(0)
+    _, e = math.frexp(float(v))  # v = m 2^e, 0.5 <= m < 1
+    ulp = math.ldexp(1.0, max(e - 1, -14) - 10)  # f16 spacing at v (2^-24 below the normals)
+    r = np.rint(float(v) / ulp) * ulp  # exact in float64: v / ulp only rescales
+    if r > 65504.0:
+        return f32(np.inf)
+    return f32(r)
+
+
+@njit(**_JIT_EXACT)
+def quantize_q8_0(x, xq, xd):
+    """float32 x [K] → Q8_0: xq int8 [K], xd float32 [K / 32].
+
+    Per 32: ``q = rint(x * (127 / amax))``, value ``q * f16(amax / 127)`` (the block stores d as f16).
+    """
+    for b in range(x.shape[0] // 32):
+        x0 = b * 32
+        amax = f32(0)
+        for j in range(32):
+            amax = max(amax, abs(x[x0 + j]))
+        inv = f32(f32(127.0) / amax) if amax != 0 else f32(0)
+        for j in range(32):
+            xq[x0 + j] = np.int8(np.rint(f32(x[x0 + j] * inv)))
+        xd[b] = f16_round(f32(amax / f32(127.0)))
+
+
+@njit(**_JIT)
+def sums32(x, xs):
+    """float32 x [K] → xs float32 [K / 32], the sum of each 32 (the Q4_K/Q5_K min terms)."""
+    for b in range(x.shape[0] // 32):
+        s = f32(0)
+        for j in range(32):
+            s += x[b * 32 + j]
+        xs[b] = s

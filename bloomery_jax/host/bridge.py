@@ -1,0 +1,87 @@
+"""The host bridge: from inside the jitted step to the host experts of one MoE layer and back.
+
+Contract. ``HostBridge(layers)`` holds each MoE layer's expert weights in host memory (views
+of the GGUF file, all E experts, so a residency change never re-reads the file).
+``bridge.moe(i, h, experts, weights, on_host)`` is traced inside a jitted step: it returns
+float32 ``[N, D]``, the weighted SwiGLU sum of the pairs whose expert is on the host, computed
+by :func:`host_moe_swiglu` on the CPU. One call per layer carries all of that layer's host
+experts.
+
+The portable path is ``jax.pure_callback``. On a GPU its round trip syncs the stream and copies
+through pageable memory (~190-225 us a call measured on the H200, DESIGN.md); the host
+function's own time is counted in ``stats`` so the bridge overhead can be told apart from the
+kernels. A bridge object is static in the step (hashed by identity): one compilation per
+bridge, whatever the placement table holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .swiglu import HostExpertLayer, host_moe_swiglu  # noqa: F401
+
+
+@dataclasses.dataclass
+class BridgeStats:
+    calls: int = 0
+    pairs: int = 0  # (token, expert) pairs computed on the host
+    seconds: float = 0.0  # inside host_moe_swiglu
+
+
+class HostBridge:
+    """Host experts of a model, and the callback that runs them.
+
+    Args:
+      layers: MoE layer index → its three expert tensors on the host.
+      threads: Numba threads for the host kernels (None = Numba's default).
+    """
+
+    def __init__(self, layers: dict[int, HostExpertLayer], threads: int | None = None):
+        self.layers = dict(layers)
+        self.threads = threads
+        self.stats = BridgeStats()
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"HostBridge({len(self.layers)} layers)"
+
+    def has_layer(self, i: int) -> bool:
+        return i in self.layers
+
+    def moe(self, i: int, h: jax.Array, experts: jax.Array, weights: jax.Array, on_host: jax.Array) -> jax.Array:
+        """Layer ``i``'s host-expert output, traced into the caller's step.
+
+        Args:
+          h: float32 ``[N, D]`` normalised FFN input.
+          experts: int32 ``[N, k]``; weights: float32 ``[N, k]``.
+          on_host: bool ``[E]``, which experts of the layer the host computes.
+        Returns:
+          float32 ``[N, D]``.
+        """
+        out = jax.ShapeDtypeStruct(h.shape, jnp.float32)
+        return jax.pure_callback(functools.partial(self._run, i), out, h, experts, weights, on_host,
+                                 vmap_method="sequential")
+
+    def _run(self, i, h, experts, weights, on_host):
+        if self.threads is not None:
+            import numba
+
+            numba.set_num_threads(self.threads)
+        x = np.asarray(h, np.float32)
+        experts = np.asarray(experts, np.int32)
+        on_host = np.asarray(on_host, bool)
+        t0 = time.perf_counter()
+        y = host_moe_swiglu(x, experts, np.asarray(weights, np.float32), on_host, self.layers[i])
+        dt = time.perf_counter() - t0
+        with self._lock:
+            self.stats.calls += 1
+            self.stats.pairs += int(on_host[experts].sum())
+            self.stats.seconds += dt
+        return y

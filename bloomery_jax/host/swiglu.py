@@ -1,0 +1,327 @@
+"""Gated SwiGLU of the host-resident experts of one MoE layer, on the GGUF file's raw blocks.
+
+Contract. ``host_moe_swiglu(x, experts, weights, on_host, layer)`` returns float32 ``[N, D]``:
+for each token n, the sum over j with ``on_host[experts[n, j]]`` of
+``weights[n, j] * down_e(silu(gate_e(x_n)) * up_e(x_n))`` (e = experts[n, j]); a token with no
+host pair gets exact zeros. The weights are never dequantized as a whole: each row is read from
+its blocks once per (row, token) inside one Numba call, in two parallel phases: gate+up →
+hidden vector per (token, expert) pair, over (expert, block of F rows) items; then down and the
+weighted sum, over blocks of D rows of the output (all experts in each). Every output element
+and every dot product belongs to one thread and is summed in a fixed order, so the result
+does not depend on the thread count.
+
+Activations (``act``): ``"f32"`` multiplies float32 activations; ``"q8"`` first rounds them to
+8 bits as ggml's CPU backend does (Q8_K for K-quants, Q8_0 for Q8_0; see ``blocks``) and takes
+exact integer block sums. F32/F16/BF16 weights always use float32 activations.
+
+Measured (this 2-core AMD EPYC znver4 VM, shared with a CI run, so noisy; ``scripts/host_bench.py``,
+Qwen3-30B-A3B expert shapes, see ``DEFAULT_ACT`` below for the numbers that chose the default).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numba
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from numba import njit, prange
+
+from . import blocks as B
+
+# qtype → kernel format code
+KERNEL_FORMATS = {T.F32: B.F32, T.F16: B.F16, T.BF16: B.BF16, T.Q8_0: B.Q8_0,
+                  T.Q4_K: B.Q4_K, T.Q5_K: B.Q5_K, T.Q6_K: B.Q6_K}
+ACTS = ("f32", "q8")
+DEFAULT_ACT = "q8"
+ROWS_PER_ITEM = 16  # rows of one expert per parallel work item
+CHUNKSIZE = 8  # see host_moe_swiglu
+
+_FLOAT_DTYPES = {T.F32: np.float32, T.F16: np.float16, T.BF16: np.uint16}
+
+
+@dataclasses.dataclass(eq=False)
+class HostTensor:
+    """One expert tensor of a layer, as the file stores it.
+
+    Args:
+      data: block formats: uint8 ``[E, rows, row_bytes]``, the file's bytes (a view of the GGUF
+        memmap; never copied). F32 / F16: the float32 / float16 array ``[E, rows, cols]``; BF16:
+        its uint16 bits.
+      qtype: ``gguf.GGMLQuantizationType`` (or its int).
+      shape: logical ``(E, rows, cols)``.
+    """
+
+    data: np.ndarray
+    qtype: int
+    shape: tuple
+
+    def __post_init__(self):
+        try:
+            self.qtype = T(int(self.qtype))
+        except ValueError:
+            raise ValueError(f"HostTensor: unknown ggml type id {self.qtype}") from None
+        self.shape = tuple(int(s) for s in self.shape)
+        if len(self.shape) != 3:
+            raise ValueError(f"HostTensor: shape must be (E, rows, cols), got {self.shape}")
+        data = np.asarray(self.data)  # a memmap → plain ndarray view, no copy
+        E, rows, cols = self.shape
+        if self.qtype in _FLOAT_DTYPES:
+            want = np.dtype(_FLOAT_DTYPES[self.qtype])
+            if data.dtype != want or data.shape != self.shape:
+                raise ValueError(f"HostTensor: {self.qtype.name} data must be {want} {self.shape}, "
+                                 f"got {data.dtype} {data.shape}")
+        else:
+            elems, nbytes = GGML_QUANT_SIZES[self.qtype]
+            if cols % elems:
+                raise ValueError(f"HostTensor: {cols} columns are not a multiple of the "
+                                 f"{self.qtype.name} block size {elems}")
+            want_shape = (E, rows, cols // elems * nbytes)
+            if data.dtype != np.uint8 or data.shape != want_shape:
+                raise ValueError(f"HostTensor: {self.qtype.name} data must be uint8 {want_shape}, "
+                                 f"got {data.dtype} {data.shape}")
+        if not data.flags.c_contiguous:
+            raise ValueError("HostTensor: data must be C-contiguous (a view of the file, not a strided copy)")
+        self.data = data
+
+    @property
+    def raw(self) -> np.ndarray:
+        """uint8 ``[E, rows, row_bytes]``: the bytes the kernels read (a read-only view)."""
+        return _readonly(self.data.view(np.uint8))
+
+
+@dataclasses.dataclass(eq=False)
+class HostExpertLayer:
+    """The three expert tensors of one MoE layer: gate/up ``[E, F, D]``, down ``[E, D, F]``.
+
+    Raises ValueError at construction for a type without a host kernel or mismatched shapes.
+    ``act`` is the activation variant ``host_moe_swiglu`` uses by default for this layer.
+    """
+
+    gate: HostTensor
+    up: HostTensor
+    down: HostTensor
+    act: str = DEFAULT_ACT
+
+    def __post_init__(self):
+        for role in ("gate", "up", "down"):
+            t = getattr(self, role)
+            if t.qtype not in KERNEL_FORMATS:
+                have = ", ".join(q.name for q in KERNEL_FORMATS)
+                raise ValueError(f"HostExpertLayer: the {role} experts are {t.qtype.name}, which has no host "
+                                 f"kernel (have: {have})")
+        E, F, D = self.gate.shape
+        if self.up.shape != (E, F, D) or self.down.shape != (E, D, F):
+            raise ValueError(f"HostExpertLayer: expected gate/up (E, F, D) and down (E, D, F), got "
+                             f"gate {self.gate.shape}, up {self.up.shape}, down {self.down.shape}")
+        if self.act not in ACTS:
+            raise ValueError(f"HostExpertLayer: act must be one of {ACTS}, got {self.act!r}")
+
+    @property
+    def n_experts(self) -> int:
+        return self.gate.shape[0]
+
+    @property
+    def dims(self) -> tuple[int, int]:
+        """(D, F): model width and expert hidden width."""
+        return self.gate.shape[2], self.gate.shape[1]
+
+    def expert_bytes(self) -> int:
+        """Bytes of one expert's three matrices in the file."""
+        return sum(t.raw[0].nbytes for t in (self.gate, self.up, self.down))
+
+
+def host_moe_swiglu(x: np.ndarray, experts: np.ndarray, weights: np.ndarray, on_host: np.ndarray,
+                    layer: HostExpertLayer, *, act: str | None = None,
+                    rows_per_item: int = ROWS_PER_ITEM, chunksize: int = CHUNKSIZE) -> np.ndarray:
+    """Weighted SwiGLU sum of the (token, expert) pairs whose expert is on the host.
+
+    Args:
+      x: float32 ``[N, D]``.
+      experts: int ``[N, k]`` expert ids in ``[0, E)``, distinct within a row (top-k).
+      weights: float32 ``[N, k]``.
+      on_host: bool ``[E]``.
+      layer: the layer's host tensors.
+      act: ``"f32"`` or ``"q8"`` (default: ``layer.act``).
+      rows_per_item: rows of one expert per parallel work item.
+      chunksize: work items a thread takes at a time (``numba.set_parallel_chunksize``); 0 gives
+        each thread one equal contiguous share up front (static), >0 hands out chunks as
+        threads free up (dynamic), which survives a thread being descheduled far better.
+    Returns:
+      float32 ``[N, D]``.
+    """
+    act = layer.act if act is None else act
+    if act not in ACTS:
+        raise ValueError(f"host_moe_swiglu: act must be one of {ACTS}, got {act!r}")
+    D, F = layer.dims
+    E = layer.n_experts
+    x = np.ascontiguousarray(x, np.float32)
+    experts = np.ascontiguousarray(experts, np.int32)
+    weights = np.ascontiguousarray(weights, np.float32)
+    on_host = np.ascontiguousarray(on_host, np.bool_)
+    if x.ndim != 2 or x.shape[1] != D:
+        raise ValueError(f"host_moe_swiglu: x must be [N, {D}], got {x.shape}")
+    if experts.ndim != 2 or experts.shape[0] != x.shape[0] or weights.shape != experts.shape:
+        raise ValueError(f"host_moe_swiglu: experts and weights must be [N, k] with N = {x.shape[0]}, got "
+                         f"{experts.shape} and {weights.shape}")
+    if on_host.shape != (E,):
+        raise ValueError(f"host_moe_swiglu: on_host must be [{E}], got {on_host.shape}")
+    if experts.size and (experts.min() < 0 or experts.max() >= E):
+        raise ValueError(f"host_moe_swiglu: expert ids must be in [0, {E}), got [{experts.min()}, {experts.max()}]")
+    x, experts, weights, on_host = (_readonly(a) for a in (x, experts, weights, on_host))
+    before = numba.set_parallel_chunksize(int(chunksize))  # this thread's setting: restored below
+    try:
+        return _moe_kernel(x, experts, weights, on_host, layer.gate.raw, layer.up.raw, layer.down.raw,
+                           KERNEL_FORMATS[layer.gate.qtype], KERNEL_FORMATS[layer.up.qtype],
+                           KERNEL_FORMATS[layer.down.qtype], act == "q8", _TAB16, _TABBF, max(1, int(rows_per_item)),
+                           numba.get_num_threads())
+    finally:
+        numba.set_parallel_chunksize(before)
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    """A read-only view: Numba compiles one specialization per writeable flag, and the GGUF
+    memmap and JAX's callback arguments are read-only, so every input is passed that way."""
+    v = a.view()
+    v.flags.writeable = False
+    return v
+
+
+_TAB16, _TABBF = (_readonly(t) for t in B.conversion_tables())
+
+
+# ---------------------------------------------------------------------------------------------
+# The compiled kernel. Format codes are runtime values: one compilation (cached on disk) covers
+# every combination of formats; the branch on the format is taken once per row, outside the
+# vectorized loops.
+
+
+@njit(inline="always")
+def _kind(fmt, q8):
+    """Which activation form a format reads: 0 float32 (+ sums per 32), 1 Q8_K, 2 Q8_0."""
+    if not q8 or fmt <= B.BF16:
+        return 0
+    return 2 if fmt == B.Q8_0 else 1
+
+
+@njit(inline="always")
+def _prepare_row(X, m, ka, kb, XS, XQK, XDK, XBK, XQ0, XD0):
+    """The activation forms row m of X needs for weights of activation kinds ka and kb."""
+    if ka == 0 or kb == 0:
+        B.sums32(X[m], XS[m])
+    if (ka == 1 or kb == 1) and X.shape[1] % B.QK_K == 0:
+        B.quantize_q8_k(X[m], XQK[m], XDK[m], XBK[m])
+    if ka == 2 or kb == 2:
+        B.quantize_q8_0(X[m], XQ0[m], XD0[m])
+
+
+@njit(inline="always")
+def _row_dot(fmt, q8, row, t, X, XS, XQK, XDK, XBK, XQ0, XD0, tab16, tabbf):
+    if fmt == B.Q4_K:
+        if q8:
+            return B.dot_q4_k_q8(row, XQK[t], XDK[t], XBK[t], tab16)
+        return B.dot_q4_k_f32(row, X[t], XS[t], tab16)
+    if fmt == B.Q6_K:
+        if q8:
+            return B.dot_q6_k_q8(row, XQK[t], XDK[t], tab16)
+        return B.dot_q6_k_f32(row, X[t], tab16)
+    if fmt == B.Q5_K:
+        if q8:
+            return B.dot_q5_k_q8(row, XQK[t], XDK[t], XBK[t], tab16)
+        return B.dot_q5_k_f32(row, X[t], XS[t], tab16)
+    if fmt == B.Q8_0:
+        if q8:
+            return B.dot_q8_0_q8(row, XQ0[t], XD0[t], tab16)
+        return B.dot_q8_0_f32(row, X[t], tab16)
+    if fmt == B.F32:
+        return B.dot_f32(row, X[t])
+    if fmt == B.F16:
+        return B.dot_f16(row, X[t], tab16)
+    return B.dot_f16(row, X[t], tabbf)  # BF16
+
+
+@njit(cache=True, nogil=True)
+def _act_buffers(M, K):
+    return (np.empty((M, K // 32), np.float32), np.empty((M, K), np.int8), np.empty((M, K // 256 + 1), np.float32),
+            np.empty((M, K // 32), np.int32), np.empty((M, K), np.int8), np.empty((M, K // 32), np.float32))
+
+
+@njit(parallel=True, fastmath=True, cache=True, nogil=True)
+def _moe_kernel(x, experts, weights, on_host, gw, uw, dw, gfmt, ufmt, dfmt, q8, tab16, tabbf, rpi, nthreads):
+    N, D = x.shape
+    k = experts.shape[1]
+    E, F = gw.shape[0], gw.shape[1]
+    out = np.zeros((N, D), np.float32)
+
+    # Group the host pairs by expert (serial: O(N k + E)). Pair p = (token pair_tok[p], expert).
+    start = np.zeros(E + 1, np.int64)
+    for n in range(N):
+        for j in range(k):
+            e = experts[n, j]
+            if on_host[e]:
+                start[e + 1] += 1
+    for e in range(E):
+        start[e + 1] += start[e]
+    P = start[E]
+    if P == 0:
+        return out
+    fill = start[:E].copy()
+    pair_tok = np.empty(P, np.int64)
+    pair_w = np.empty(P, np.float32)
+    for n in range(N):
+        for j in range(k):
+            e = experts[n, j]
+            if on_host[e]:
+                p = fill[e]
+                fill[e] += 1
+                pair_tok[p] = n
+                pair_w[p] = weights[n, j]
+    G = 0
+    for e in range(E):
+        if start[e + 1] > start[e]:
+            G += 1
+    gexp = np.empty(G, np.int64)
+    g = 0
+    for e in range(E):
+        if start[e + 1] > start[e]:
+            gexp[g] = e
+            g += 1
+
+    # Phase 1: H[p, f] = silu(gate_e[f] · x_t) * (up_e[f] · x_t), items (expert, block of F rows).
+    XS, XQK, XDK, XBK, XQ0, XD0 = _act_buffers(N, D)
+    ka, kb = _kind(gfmt, q8), _kind(ufmt, q8)
+    for n in prange(N):
+        _prepare_row(x, n, ka, kb, XS, XQK, XDK, XBK, XQ0, XD0)
+    H = np.empty((P, F), np.float32)
+    nrb = (F + rpi - 1) // rpi
+    for it in prange(G * nrb):
+        e = gexp[it // nrb]
+        r0 = (it % nrb) * rpi
+        for r in range(r0, min(F, r0 + rpi)):
+            grow = gw[e, r]
+            urow = uw[e, r]
+            for p in range(start[e], start[e + 1]):
+                t = pair_tok[p]
+                a = _row_dot(gfmt, q8, grow, t, x, XS, XQK, XDK, XBK, XQ0, XD0, tab16, tabbf)
+                b = _row_dot(ufmt, q8, urow, t, x, XS, XQK, XDK, XBK, XQ0, XD0, tab16, tabbf)
+                H[p, r] = a / (np.float32(1.0) + np.exp(-a)) * b
+
+    # Phase 2: out[t, d] += w_p (down_e[d] · H[p]), items = blocks of D rows across all experts:
+    # an item owns those columns of out for every token, so no element has two writers, and each
+    # is summed in ascending expert order whatever the thread count. (No [P, D] buffer either.)
+    HS, HQK, HDK, HBK, HQ0, HD0 = _act_buffers(P, F)
+    kd = _kind(dfmt, q8)
+    for p in prange(P):
+        _prepare_row(H, p, kd, kd, HS, HQK, HDK, HBK, HQ0, HD0)
+    rpi2 = max(1, min(rpi, D // (4 * nthreads)))  # >= 4 items a thread
+    nrb = (D + rpi2 - 1) // rpi2
+    for it in prange(nrb):
+        r0 = it * rpi2
+        for g in range(G):
+            e = gexp[g]
+            for r in range(r0, min(D, r0 + rpi2)):
+                drow = dw[e, r]
+                for p in range(start[e], start[e + 1]):
+                    y = _row_dot(dfmt, q8, drow, p, H, HS, HQK, HDK, HBK, HQ0, HD0, tab16, tabbf)
+                    out[pair_tok[p], r] += pair_w[p] * y
+    return out
