@@ -14,7 +14,9 @@ the exact path: the file's dequantized values, float32 activations.
   continuation is identical. This is what shows the quantized-file gaps are llama.cpp's
   activation rounding and not our bug.
 
-Everything here is slow (llama.cpp computes 262144 logits for each of 551 positions on the CPU).
+The greedy continuations on the quantized file run in the default suite (about a minute); the
+long-prompt logits and the twin are slow (llama.cpp computes 262144 logits for each of 551
+positions on the CPU; the twin is a 1 GiB file).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from bloomery_jax.models.loader import load_model
 from bloomery_jax.quant import dequantize
 
 llama_cpp = pytest.importorskip("llama_cpp")
-pytestmark = [pytest.mark.llamacpp, pytest.mark.slow]
+pytestmark = pytest.mark.llamacpp
 
 N_NEW = 32
 PROMPTS = [
@@ -223,6 +225,7 @@ def check_greedy(ours_toks: np.ndarray, runs, ours, prompts, noise: float) -> li
 
 # --- the quantized file ---------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_long_prompt_logits(gemma_path, ours, prompts):
     tokens, _ = prompts
     T = len(tokens)
@@ -256,6 +259,7 @@ def test_greedy_continuations(gemma_path, ours, prompts):
 
 # --- the F32 twin: nothing rounded on llama.cpp's side either -------------------------------------
 
+@pytest.mark.slow
 def test_f32_twin_logits(twin_path, ours, prompts):
     tokens, _ = prompts
     ref = llama_logits(twin_path, tokens)
@@ -270,6 +274,7 @@ def test_f32_twin_logits(twin_path, ours, prompts):
     assert (ref.argmax(-1) == got.argmax(-1))[clear].all()
 
 
+@pytest.mark.slow
 def test_f32_twin_greedy(twin_path, ours, prompts):
     _, short = prompts
     got = our_greedy(ours, short, N_NEW)
