@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-PLACE_HELP = ("where routed experts run: card | cpu-moe | n-cpu-moe=N | last-cpu-moe=N | budget=20GiB | "
-              "override=REGEX (default card)")
+PLACE_HELP = ("where routed experts run: card | cpu-moe | n-cpu-moe=N | last-cpu-moe=N | card-experts=N | "
+              "budget=20GiB | override=REGEX (default card)")
 
 
 def add_residency_args(parser, record_routing: bool = True) -> None:

@@ -15,7 +15,7 @@ from bloomery_jax.errors import ConfigError
 from bloomery_jax.gguf_file import GGUFFile
 from bloomery_jax.models import gemma3
 from bloomery_jax.models.registry import module_for_file
-from bloomery_jax.placement import (RULES, Budget, Card, CpuMoe, ExpertLayout, LastCpuMoe, NCpuMoe, Override,
+from bloomery_jax.placement import (RULES, Budget, Card, CardExperts, CpuMoe, ExpertLayout, LastCpuMoe, NCpuMoe, Override,
                                     PlacementRule, all_card, describe, parse_rule, parse_size, register_rule)
 from bloomery_jax.settings import load_settings
 
@@ -95,6 +95,14 @@ def test_n_cpu_moe_and_last_cpu_moe(big):
             parse_rule(rule).place(big)
         with pytest.raises(ConfigError, match="48 MoE layers"):
             parse_rule(rule, big)
+
+
+def test_card_experts_gives_every_layer_slots(big):
+    on = parse_rule("card-experts=32").place(big)
+    assert (on.sum(axis=1) == 32).all() and on[:, :32].all()
+    assert CardExperts(0).place(big).sum() == 0 and CardExperts(128).place(big).all()
+    with pytest.raises(ConfigError, match=r"128 experts per layer.*0 <= N <= 128"):
+        parse_rule("card-experts=129").place(big)
 
 
 def test_layer_counts_skip_dense_layers():
@@ -208,7 +216,8 @@ def test_override_on_the_file_refuses_card_tensors(synth):
 # --- parsing -------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("rule", [Card(), CpuMoe(), NCpuMoe(36), LastCpuMoe(4), Budget(20 * GiB), Override("exps")])
+@pytest.mark.parametrize("rule", [Card(), CpuMoe(), NCpuMoe(36), LastCpuMoe(4), CardExperts(32), Budget(20 * GiB),
+                                  Override("exps")])
 def test_canonical_strings_round_trip(rule):
     again = parse_rule(str(rule))
     assert again == rule and hash(again) == hash(rule) and type(again) is type(rule)
@@ -231,7 +240,7 @@ def test_bad_strings(text, message):
     with pytest.raises(ConfigError) as e:
         parse_rule(text)
     assert message in str(e.value)
-    assert "accepted: card | cpu-moe | n-cpu-moe=N | last-cpu-moe=N | budget=SIZE" in str(e.value)
+    assert "accepted: card | cpu-moe | n-cpu-moe=N | last-cpu-moe=N | card-experts=N | budget=SIZE" in str(e.value)
 
 
 def test_bad_objects():
@@ -318,7 +327,7 @@ def test_research_rules_register():
             register_rule(type("Other", (EvenOnHost,), {}))
     finally:
         del RULES["test-even-on-host"]
-    assert list(RULES) == ["card", "cpu-moe", "n-cpu-moe", "last-cpu-moe", "budget", "override"]
+    assert list(RULES) == ["card", "cpu-moe", "n-cpu-moe", "last-cpu-moe", "card-experts", "budget", "override"]
 
 
 def test_bad_rule_output_is_caught():

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..cli_options import PLACE_HELP
 from ..errors import BloomeryError, ConfigError
 from ..ops.actquant import ACT_ROUNDINGS
 
@@ -37,7 +38,7 @@ def _parser() -> argparse.ArgumentParser:
     def common(sp):
         sp.add_argument("--model", required=True, help="GGUF file")
         sp.add_argument("--ubatch", type=int, default=512, help="tokens per forward step (default 512)")
-        sp.add_argument("--place", default="card", help="where routed experts run: card | cpu-moe | n-cpu-moe=N | last-cpu-moe=N | budget=20GiB | override=REGEX (default card)")
+        sp.add_argument("--place", default="card", help=PLACE_HELP)
         sp.add_argument("--act-rounding", choices=ACT_ROUNDINGS, default="none",
                         help="none: exact float32 reference; ggml-cpu: round activations like llama.cpp's CPU backend")
 

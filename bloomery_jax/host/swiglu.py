@@ -242,8 +242,9 @@ def _row_dot(fmt, q8, row, t, X, XS, XQK, XDK, XBK, XQ0, XD0, tab16, tabbf):
 
 @njit(cache=True, nogil=True)
 def _act_buffers(M, K):
-    return (np.empty((M, K // 32), np.float32), np.empty((M, K), np.int8), np.empty((M, K // 256 + 1), np.float32),
-            np.empty((M, K // 32), np.int32), np.empty((M, K), np.int8), np.empty((M, K // 32), np.float32))
+    # float32 sums per 32 | Q8_K quants, scales, sums per 32 | Q8_0 quants, scales (quants as int16)
+    return (np.empty((M, K // 32), np.float32), np.empty((M, K), np.int16), np.empty((M, K // 256 + 1), np.float32),
+            np.empty((M, K // 32), np.int32), np.empty((M, K), np.int16), np.empty((M, K // 32), np.float32))
 
 
 @njit(parallel=True, fastmath=True, cache=True, nogil=True)

@@ -247,6 +247,29 @@ class LastCpuMoe(_LayerCount):
         return host_layers(layout, moe[len(moe) - self.n:] if self.n else ())
 
 
+@register_rule
+@dataclasses.dataclass(frozen=True)
+class CardExperts(_LayerCount):
+    """``n`` experts of every MoE layer on the card (the first by id), the rest on the host.
+
+    The starting table for adaptive residency: every layer has card slots to swap into, where
+    the layer rules leave whole layers with none.
+    """
+
+    name: ClassVar[str] = "card-experts"
+    form: ClassVar[str] = "card-experts=N"
+
+    def check(self, layout):
+        if layout.has_experts and self.n > layout.n_experts:
+            raise ConfigError(f"placement rule {str(self)!r}: the model has {layout.n_experts} experts per layer "
+                              f"(accepted: {self.name}=N with 0 <= N <= {layout.n_experts})")
+
+    def decide(self, layout, reserve_bytes):
+        on_card = all_card(layout)
+        on_card[list(layout.moe_layers), self.n:] = False
+        return on_card
+
+
 # Sizes: decimal units are powers of 1000, binary ones of 1024; the unit is case-insensitive.
 SIZE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}

@@ -19,7 +19,7 @@ import os
 import sys
 import threading
 
-from ..cli_options import add_residency_args
+from ..cli_options import PLACE_HELP, add_residency_args
 from ..errors import BloomeryError
 from ..settings import CONFIG_DIR, load_settings
 
@@ -43,8 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gin_param", "--gin-param", action="append", default=[], dest="gin_param",
                    help="gin binding, e.g. 'RuntimeSettings.max_context = 2048' (repeatable)")
     p.add_argument("--parallel", "-np", type=int, help="sequence slots (default: RuntimeSettings.parallel)")
-    p.add_argument("--place", help="where routed experts run: card | cpu-moe | n-cpu-moe=N | last-cpu-moe=N | "
-                                   "budget=20GiB | override=REGEX (default: RuntimeSettings.placement)")
+    p.add_argument("--place", help=PLACE_HELP.replace("(default card)", "(default: RuntimeSettings.placement)"))
     add_residency_args(p, record_routing=False)
     p.add_argument("--queue", type=int, default=16, help="requests that may wait for a slot (default 16)")
     p.add_argument("--timeout", type=float, default=600.0,
