@@ -1,0 +1,216 @@
+"""The GPU machine's measurements in a few planned calls: each stage writes JSON under --out.
+
+Stages (each fits one device call of <= 10 minutes; run them back to back while the machine is
+warm, so /tmp/bloomery keeps the synthesized model between them):
+
+  oracle     HERE, on the CPU with llama-cpp-python: synthetic qwen3moe files (F32, and the F32
+             twin of a Q4_K_M file; three shapes) and llama.cpp's logits over 500 tokens, into
+             .baseline/oracle/ (git-ignored; carry it).
+  precision  THERE: our logits on the GPU under jax.default_matmul_precision("highest") against
+             those llama.cpp logits: max |dlogit| / std at positions before a router near-tie
+             (the CPU test's bound is 1e-3).
+  model      THERE: the Qwen3-30B-A3B-shaped Q4_K_M file (48 layers, 128 experts top-8, hidden
+             2048, expert ff 768, 32/4 heads of 128, vocab 151936; routing skewed) in /tmp/bloomery.
+  bench      THERE: our bench (pp512, tg128; parallel 1 and 2) with every expert on the card,
+             with the experts of 36 layers on the host (n-cpu-moe=36), and with 32 of 128 experts
+             per layer on the card without residency, with LFU swaps, and with prompt streaming.
+  host       THERE: host-expert kernel GB/s against the host's read bandwidth, and the bridge's
+             per-call overhead (scripts/host_bench.py, scripts/bridge_bench.py).
+  llamacpp   THERE: llama-bench on the same file, all layers on the card and -ncmoe 36
+             (needs `bash ../shared/tools/llamacpp_gpu.sh prepare` here first, then .baseline/
+             carried; the build takes ~4-8 minutes, so run `build` as its own call).
+
+Example device calls (see scripts/device_wheels.sh for the wheels):
+
+    P='python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+       && export PYTHONPATH=/tmp/site:$PWD'
+    run: "$P; python3 scripts/gpu_session.py precision model bench --out $OUT"   carry .whl .baseline
+
+`--tiny` shrinks every model so the whole flow can be checked on a CPU first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+ORACLE = ROOT / ".baseline" / "oracle"
+WORK = Path(os.environ.get("BLOOMERY_WORK", "/tmp/bloomery"))
+
+ORACLE_SHAPES = {  # the shapes of tests/test_llamacpp_qwen3moe.py
+    "gqa": dict(n_layers=2, d_model=256, n_heads=4, n_kv_heads=2, head_dim=64, n_experts=8,
+                n_experts_used=2, expert_ff=256, n_vocab=512),
+    "mqa": dict(n_layers=3, d_model=256, n_heads=8, n_kv_heads=1, head_dim=32, n_experts=16,
+                n_experts_used=4, expert_ff=256, n_vocab=384),
+    "mha": dict(n_layers=2, d_model=256, n_heads=2, n_kv_heads=2, head_dim=128, n_experts=4,
+                n_experts_used=1, expert_ff=256, n_vocab=320),
+}
+N_TOKENS, NEAR_TIE = 500, 1e-4
+QWEN30B = dict(n_layers=48, d_model=2048, n_heads=32, n_kv_heads=4, head_dim=128, n_experts=128,
+               n_experts_used=8, expert_ff=768, n_vocab=151936)
+TINY = dict(n_layers=4, d_model=256, n_heads=4, n_kv_heads=2, head_dim=64, n_experts=16, n_experts_used=4,
+            expert_ff=256, n_vocab=1024)
+
+
+def log(msg: str) -> None:
+    print(f"[gpu_session {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def write_json(out: Path, name: str, data) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / name).write_text(json.dumps(data, indent=1, default=str))
+    print(json.dumps({name: data}, default=str)[:4000], flush=True)
+
+
+# --- precision (issue 3) ---------------------------------------------------------------------
+
+def stage_oracle(args) -> None:
+    import llama_cpp
+
+    from bloomery_jax.synth import synthesize
+
+    ORACLE.mkdir(parents=True, exist_ok=True)
+    for name, shape in ORACLE_SHAPES.items():
+        for kind in ("f32", "twin"):
+            path = ORACLE / f"{name}-{kind}.gguf"
+            if kind == "f32":
+                synthesize(path, qtype="F32", seed=1, **shape)
+            else:
+                synthesize(ORACLE / f"{name}-q4km.gguf", qtype="Q4_K_M", seed=2, twin_path=path, **shape)
+                (ORACLE / f"{name}-q4km.gguf").unlink()
+            tokens = np.random.default_rng(7).integers(0, shape["n_vocab"], N_TOKENS).astype(np.int32)
+            llm = llama_cpp.Llama(model_path=str(path), n_ctx=512, logits_all=True, n_threads=2, verbose=False,
+                                  type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32)
+            llm.eval(tokens.tolist())
+            logits = np.array(llm.scores[:N_TOKENS], np.float32)
+            np.savez_compressed(path.with_suffix(".llama.npz"), tokens=tokens, logits=logits)
+            log(f"oracle {path.name}: {logits.shape}")
+
+
+def stage_precision(args) -> None:
+    import jax
+
+    from bloomery_jax.eval.runner import sequence_logits
+    from bloomery_jax.models import qwen3moe
+    from bloomery_jax.models.loader import load_model
+
+    results = []
+    for ref_file in sorted(ORACLE.glob("*.llama.npz")):
+        path = ref_file.with_name(ref_file.name.replace(".llama.npz", ".gguf"))
+        ref = np.load(ref_file)
+        tokens, theirs = ref["tokens"], ref["logits"]
+        model = load_model(path)
+        with jax.default_matmul_precision("highest"):
+            ours = sequence_logits(model, tokens, ubatch=512)
+            cache = model.init_cache(1, len(tokens))
+            _, _, routing = qwen3moe.jit_forward(model.params, model.cfg, tokens[None],
+                                                 np.arange(len(tokens))[None], cache)
+        ties = (np.asarray(routing.margin[:, 0]) < NEAR_TIE).any(axis=0)
+        first = int(np.argmax(ties)) if ties.any() else len(tokens)
+        keep = slice(0, first)
+        rel = float(np.abs(ours - theirs)[keep].max() / theirs[keep].std())
+        results.append(dict(model=path.name, positions=len(tokens), compared=first, max_rel_dlogit=rel,
+                            bound=1e-3, ok=rel <= 1e-3, device=str(jax.devices()[0].device_kind)))
+        log(f"precision {path.name}: max |dlogit|/std {rel:.3g} over {first} positions")
+    write_json(args.out, "precision.json", results)
+
+
+# --- the big model and our bench (issues 5, 7, 8, 9) -----------------------------------------
+
+def model_path(args) -> Path:
+    return WORK / ("tiny-q4km.gguf" if args.tiny else "qwen3-30b-a3b-shape-q4km.gguf")
+
+
+def stage_model(args) -> None:
+    from bloomery_jax.synth import synthesize
+
+    path = model_path(args)
+    if path.exists():
+        log(f"model {path} already there")
+        return
+    WORK.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    report = synthesize(path, qtype="Q4_K_M", seed=0, route_skew=2.0, **(TINY if args.tiny else QWEN30B))
+    write_json(args.out, "model.json", dict(path=str(path), bytes=path.stat().st_size,
+                                            seconds=time.perf_counter() - t0, report=str(report)))
+
+
+def bench(args, name: str, extra: list[str], parallel: str = "1,2") -> None:
+    """One `python -m bloomery_jax.bench` run; its JSON records go to <name>.json."""
+    p, n = ("64", "16") if args.tiny else ("512", "128")
+    cmd = [sys.executable, "-m", "bloomery_jax.bench", "--model", str(model_path(args)), "-p", p, "-n", n,
+           "--parallel", parallel, "--reps", str(args.reps), "--json", "--quiet", *extra]
+    log(" ".join(cmd))
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    write_json(args.out, f"bench-{name}.json", dict(command=" ".join(cmd), rc=proc.returncode, records=records,
+                                                    stderr=proc.stderr[-2000:], seconds=time.perf_counter() - t0))
+
+
+def stage_bench(args) -> None:
+    bench(args, "card", ["--place", "card"])
+    bench(args, "ncmoe36", ["--place", "n-cpu-moe=3" if args.tiny else "n-cpu-moe=36"], parallel="1")
+    quarter = ["--place", f"card-experts={(TINY if args.tiny else QWEN30B)['n_experts'] // 4}"]
+    bench(args, "quarter-static", quarter, parallel="1")
+    bench(args, "quarter-lfu", quarter + ["--residency", "lfu", "--no-prompt-streaming"], parallel="1")
+    bench(args, "quarter-lfu-stream", quarter + ["--residency", "lfu"], parallel="1")
+
+
+def stage_host(args) -> None:
+    host = ["--tokens", "1,8", "--reps", "3", "--d", "256", "--f", "256", "--experts", "16"] if args.tiny else []
+    args.out.mkdir(parents=True, exist_ok=True)
+    for script, extra, flag in (("host_bench.py", host, "--out"),
+                                ("bridge_bench.py", ["--layers", "48", "--reps", "20"], "--json")):
+        cmd = [sys.executable, str(ROOT / "scripts" / script), *extra, flag, str(args.out / f"{script[:-3]}.json")]
+        log(" ".join(cmd))
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+        print(proc.stdout[-3000:], proc.stderr[-1500:], flush=True)
+
+
+def stage_llamacpp(args) -> None:
+    binary = ROOT / ".baseline" / "build" / "bin" / "llama-bench"
+    if not binary.exists():
+        raise SystemExit("llama-bench is not built: run `bash .baseline/llamacpp_gpu.sh build` first")
+    results = {}
+    for name, extra in (("all-card", []), ("ncmoe36", ["-ncmoe", "36"])):
+        cmd = [str(binary), "-m", str(model_path(args)), "-p", "512", "-n", "128", "-ngl", "99", "-fa", "1",
+               "-t", str(os.cpu_count()), "-r", str(args.reps), "-o", "json", *extra]
+        log(" ".join(cmd))
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        results[name] = dict(command=" ".join(cmd), rc=proc.returncode,
+                             records=json.loads(proc.stdout) if proc.returncode == 0 else proc.stderr[-2000:])
+    write_json(args.out, "llamacpp.json", results)
+
+
+STAGES = {"oracle": stage_oracle, "precision": stage_precision, "model": stage_model, "bench": stage_bench,
+          "host": stage_host, "llamacpp": stage_llamacpp}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("stages", nargs="+", choices=list(STAGES))
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu_out")))
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--tiny", action="store_true", help="small models: check the flow on a CPU")
+    args = p.parse_args(argv)
+    from bloomery_jax.witness import source_witness
+
+    write_json(args.out, "witness.json", source_witness())
+    for stage in args.stages:
+        t0 = time.perf_counter()
+        STAGES[stage](args)
+        log(f"stage {stage} done in {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
