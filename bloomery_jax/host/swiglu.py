@@ -11,11 +11,36 @@ and every dot product belongs to one thread and is summed in a fixed order, so t
 does not depend on the thread count.
 
 Activations (``act``): ``"f32"`` multiplies float32 activations; ``"q8"`` first rounds them to
-8 bits as ggml's CPU backend does (Q8_K for K-quants, Q8_0 for Q8_0; see ``blocks``) and takes
-exact integer block sums. F32/F16/BF16 weights always use float32 activations.
+8 bits as ggml's CPU backend does (Q8_K for K-quants, Q8_0 for Q8_0, bit-equal with
+``bloomery_jax.ops.actquant``; the hidden vector is rounded again before down) and takes exact
+integer block sums. F32/F16/BF16 weights always use float32 activations. Each variant matches
+its float64 twin in ``reference`` within a derived rounding bound (tests/test_host_experts.py);
+against exact arithmetic q8 is off by what the rounding itself costs, 1.2-1.8 % relative RMS of
+the layer output (Q8_0 / Q4_K_M, Qwen3-30B-A3B shapes, random weights), as in llama.cpp;
+f32 by 3e-7.
 
-Measured (this 2-core AMD EPYC znver4 VM, shared with a CI run, so noisy; ``scripts/host_bench.py``,
-Qwen3-30B-A3B expert shapes, see ``DEFAULT_ACT`` below for the numbers that chose the default).
+Measured (scripts/host_bench.py, 2026-12, this 2-core AMD EPYC znver4 VM with AVX-512, busy
+with other work at times: numbers move by up to 30 % between runs; the two variants are
+interleaved call by call). Qwen3-30B-A3B experts (D 2048, F 768, E 128, k 8, all on the host),
+median GB/s = bytes of the distinct experts touched / time, and its ratio to a Numba parallel
+float32 sum measured in the same run (30 GB/s with 2 threads, 28 with 1):
+
+    weights           N   2 threads f32 / q8     1 thread f32 / q8
+    Q4_K + Q6_K down  1    6.96 /  7.81 (0.26)    4.88 /  5.67 (0.20)
+    Q4_K + Q6_K down  8    6.25 /  6.99 (0.23)    3.93 /  4.72 (0.17)
+    Q8_0              2   10.6  / 14.5  (0.48)    8.44 / 12.4  (0.43)
+    Q8_0              8   14.8  / 18.1  (0.60)    7.03 / 10.5  (0.37)
+
+q8 was faster in every case (1.1-1.45x), hence ``DEFAULT_ACT = "q8"``. The kernels are
+compute-bound on this machine (one core runs Q4_K_M at ~6 GB/s, Q8_0 at ~11-20). N = 64 runs at
+1.6-4.5 GB/s of distinct bytes: each (token, expert) pair reads its rows again from cache and
+pays the full dot-product cost, since the kernel does no multi-token register blocking yet.
+
+Threads: Numba's OpenMP layer spins at the end of each parallel region. When another process
+holds a core, a 2-thread call took 45-56 ms instead of 3-5 (a thread descheduled at a barrier);
+``OMP_WAIT_POLICY=passive`` or ``NUMBA_THREADING_LAYER=workqueue`` (set before Numba starts)
+brought it back to 4-6 ms; dynamic chunks (``chunksize`` > 0) helped in one run and not in the
+next, so the default stays static. Give the kernels cores of their own.
 """
 
 from __future__ import annotations
@@ -35,7 +60,7 @@ KERNEL_FORMATS = {T.F32: B.F32, T.F16: B.F16, T.BF16: B.BF16, T.Q8_0: B.Q8_0,
 ACTS = ("f32", "q8")
 DEFAULT_ACT = "q8"
 ROWS_PER_ITEM = 16  # rows of one expert per parallel work item
-CHUNKSIZE = 8  # see host_moe_swiglu
+CHUNKSIZE = 0  # see host_moe_swiglu (Numba's default, static)
 
 _FLOAT_DTYPES = {T.F32: np.float32, T.F16: np.float16, T.BF16: np.uint16}
 
@@ -144,9 +169,9 @@ def host_moe_swiglu(x: np.ndarray, experts: np.ndarray, weights: np.ndarray, on_
       layer: the layer's host tensors.
       act: ``"f32"`` or ``"q8"`` (default: ``layer.act``).
       rows_per_item: rows of one expert per parallel work item.
-      chunksize: work items a thread takes at a time (``numba.set_parallel_chunksize``); 0 gives
-        each thread one equal contiguous share up front (static), >0 hands out chunks as
-        threads free up (dynamic), which survives a thread being descheduled far better.
+      chunksize: work items a thread takes at a time (``numba.set_parallel_chunksize``, for this
+        call only); 0 gives each thread one equal contiguous share up front (static), > 0 hands
+        chunks out as threads free up (dynamic; see the module docstring on threads).
     Returns:
       float32 ``[N, D]``.
     """
@@ -215,7 +240,7 @@ def _prepare_row(X, m, ka, kb, XS, XQK, XDK, XBK, XQ0, XD0):
         B.quantize_q8_0(X[m], XQ0[m], XD0[m])
 
 
-@njit(inline="always")
+@njit(inline="always")  # inlined: a call per row costs 10-25 % (measured)
 def _row_dot(fmt, q8, row, t, X, XS, XQK, XDK, XBK, XQ0, XD0, tab16, tabbf):
     if fmt == B.Q4_K:
         if q8:

@@ -1,0 +1,210 @@
+"""Benchmark the host expert kernels (bloomery_jax.host) against the machine's read bandwidth.
+
+    .venv/bin/python scripts/host_bench.py                       # Qwen3-30B-A3B expert shapes
+    .venv/bin/python scripts/host_bench.py --tokens 1,8 --threads 1,2 --reps 5 --out host.json
+    .venv/bin/python scripts/host_bench.py --asm                 # packed-SIMD mix of each row kernel
+
+For each weight set (``q4_k_m``: Q4_K gate/up + Q6_K down, as in a Q4_K_M file; ``q8_0``), each
+token count N and thread count, one layer call routes N tokens to k of E experts, all on the
+host, once per activation variant (f32, q8; interleaved call by call so that a noisy machine
+disturbs them alike). It reports the median time over ``--reps`` routings after ``--warmup``,
+and GB/s = bytes of the distinct experts the call touched / time, next to a Numba parallel sum
+over a large float32 array measured in the same run with the same threads (the read
+bandwidth), and their ratio. "work GB/s" counts an expert's bytes once per (token, expert)
+pair: the rate of the dot products themselves, above GB/s once tokens share experts (each pair
+reads the rows again, from cache). Routing changes every call and walks through all E experts,
+so the weights come from DRAM, not from the last call's cache.
+
+Weights: ``--distinct`` experts are quantized from random normals with the repo's quantizer and
+tiled to E experts (distinct memory, the same values: quantizing all 128 would take minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import re
+import time
+from collections import Counter
+
+import numba
+import numpy as np
+from gguf import GGMLQuantizationType as T
+from numba import njit, prange
+
+from bloomery_jax.host import HostExpertLayer, HostTensor, host_moe_swiglu
+from bloomery_jax.host import blocks as B
+from bloomery_jax.host.swiglu import CHUNKSIZE
+from bloomery_jax.quant import quantize
+
+WEIGHT_SETS = {"q4_k_m": (T.Q4_K, T.Q6_K), "q8_0": (T.Q8_0, T.Q8_0), "q5_k": (T.Q5_K, T.Q5_K),
+               "q6_k": (T.Q6_K, T.Q6_K), "f16": (T.F16, T.F16)}
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def _parallel_sum(a):
+    s = np.float32(0)
+    for i in prange(a.shape[0]):
+        s += a[i]
+    return s
+
+
+def read_bandwidth(mib: int, reps: int) -> float:
+    """GB/s of a Numba parallel float32 sum over ``mib`` MiB (median of ``reps`` after a warm-up)."""
+    a = np.ones(mib * (1 << 20) // 4, np.float32)
+    _parallel_sum(a)
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        _parallel_sum(a)
+        ts.append(time.perf_counter() - t0)
+    return a.nbytes / float(np.median(ts)) / 1e9
+
+
+def _tensor(w: np.ndarray, qtype, E: int) -> HostTensor:
+    raw = quantize(w, qtype)  # [distinct, rows, row_bytes]
+    reps = -(-E // raw.shape[0])
+    raw = np.ascontiguousarray(np.tile(raw, (reps, 1, 1))[:E])
+    data = raw.view(np.float16) if qtype == T.F16 else raw
+    return HostTensor(data, qtype, (E, w.shape[1], w.shape[2]))
+
+
+def make_layer(name: str, E: int, F: int, D: int, distinct: int, seed: int = 0) -> HostExpertLayer:
+    gu, dn = WEIGHT_SETS[name]
+    rng = np.random.default_rng(seed)
+    w = [rng.standard_normal(s).astype(np.float32) * 0.02 for s in ((distinct, F, D), (distinct, F, D), (distinct, D, F))]
+    return HostExpertLayer(_tensor(w[0], gu, E), _tensor(w[1], gu, E), _tensor(w[2], dn, E))
+
+
+def routings(rng, N: int, k: int, E: int, count: int):
+    """``count`` routings [N, k]; consecutive calls start at different experts so that the
+    experts of one call are rarely still cached from the previous ones."""
+    out = []
+    for c in range(count):
+        base = (c * k * N) % E
+        rows = []
+        for n in range(N):
+            if n == 0:
+                rows.append((base + np.arange(k)) % E)
+            else:
+                rows.append(rng.choice(E, k, replace=False))
+        out.append(np.stack(rows).astype(np.int32))
+    return out
+
+
+def bench_case(layer, acts: list[str], N: int, k: int, reps: int, warmup: int, seed: int = 0,
+               chunksize: int = CHUNKSIZE) -> dict[str, dict]:
+    """Time one layer call per routing for each activation variant, interleaved (act after act on
+    the same routing), so that a noisy machine disturbs the variants alike."""
+    E = layer.n_experts
+    D, F = layer.dims
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((N, D)).astype(np.float32)
+    w = rng.dirichlet(np.ones(k), N).astype(np.float32)
+    on_host = np.ones(E, bool)
+    routes = routings(rng, N, k, E, warmup + reps)
+    per_expert = layer.expert_bytes()
+    ts = {act: [] for act in acts}
+    nbytes = []
+    for i, ex in enumerate(routes):
+        for act in acts:
+            t0 = time.perf_counter()
+            host_moe_swiglu(x, ex, w, on_host, layer, act=act, chunksize=chunksize)
+            dt = time.perf_counter() - t0
+            if i >= warmup:
+                ts[act].append(dt)
+        if i >= warmup:
+            nbytes.append(len(np.unique(ex)) * per_expert)
+    gb = float(np.median(nbytes)) / 1e9
+    work = N * k * per_expert / 1e9  # weight bytes the dot products run through (once per pair)
+    out = {}
+    for act in acts:
+        t, best = float(np.median(ts[act])), float(np.min(ts[act]))
+        out[act] = {"ms": t * 1e3, "ms_min": best * 1e3, "GB": gb, "GBps": gb / t, "GBps_best": gb / best,
+                    "pairs": N * k, "work_GBps": work / t}
+    return out
+
+
+def asm_mix(top: int = 8) -> dict[str, list]:
+    """The most frequent ymm/zmm instructions in each row kernel's machine code (standalone
+    compilations with the kernel's argument types; inside the layer kernel they are inlined)."""
+    K = 512
+    tab16, tabbf = B.conversion_tables()
+    x, xs, xd = np.zeros(K, np.float32), np.zeros(K // 32, np.float32), np.zeros(K // 32, np.float32)
+    xq, xb = np.zeros(K, np.int16), np.zeros(K // 32, np.int32)
+    row = lambda n: np.zeros(n, np.uint8)  # noqa: E731
+    calls = {"dot_q4_k_f32": (row(288), x, xs, tab16), "dot_q4_k_q8": (row(288), xq, xd, xb, tab16),
+             "dot_q5_k_f32": (row(352), x, xs, tab16), "dot_q5_k_q8": (row(352), xq, xd, xb, tab16),
+             "dot_q6_k_f32": (row(420), x, tab16), "dot_q6_k_q8": (row(420), xq, xd, tab16),
+             "dot_q8_0_f32": (row(544), x, tab16), "dot_q8_0_q8": (row(544), xq, xd, tab16),
+             "dot_f32": (row(4 * K), x), "dot_f16": (row(2 * K), x, tab16)}
+    out = {}
+    for name, args in calls.items():
+        fn = njit(fastmath=True, nogil=True)(getattr(B, name).py_func)  # uncached: Numba can't inspect cached code
+        fn(*args)
+        asm = "\n".join(fn.inspect_asm().values())
+        ops = Counter(f"{op}:{reg}" for op, reg in re.findall(r"\b(v\w+)\s+[^\n]*?\b(ymm|zmm)", asm))
+        out[name] = ops.most_common(top)
+    return out
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--d", type=int, default=2048, help="model width D (Qwen3-30B-A3B: 2048)")
+    p.add_argument("--f", type=int, default=768, help="expert hidden width F (768)")
+    p.add_argument("--experts", type=int, default=128, help="experts per layer E (128)")
+    p.add_argument("--k", type=int, default=8, help="experts per token (8)")
+    p.add_argument("--tokens", default="1,2,8,64", help="token counts N, comma separated")
+    p.add_argument("--threads", default=str(numba.config.NUMBA_NUM_THREADS), help="thread counts, comma separated")
+    p.add_argument("--weights", default="q4_k_m,q8_0", help=f"weight sets ({', '.join(WEIGHT_SETS)})")
+    p.add_argument("--acts", default="f32,q8")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--chunksize", type=int, default=CHUNKSIZE, help="host_moe_swiglu's chunksize (0: static)")
+    p.add_argument("--distinct", type=int, default=4, help="experts quantized, then tiled to E")
+    p.add_argument("--bw-mib", type=int, default=1024, help="array size of the read-bandwidth sum")
+    p.add_argument("--asm", action="store_true", help="print each row kernel's packed-SIMD mix (after the run)")
+    p.add_argument("--out", help="write the results as JSON here")
+    a = p.parse_args(argv)
+
+    tokens = [int(s) for s in a.tokens.split(",")]
+    threads = [int(s) for s in a.threads.split(",")]
+    results = {"machine": {"cpu": platform.processor() or platform.machine(), "numba": numba.__version__,
+                           "threading_layer": None, "cores": numba.config.NUMBA_NUM_THREADS},
+               "shape": {"D": a.d, "F": a.f, "E": a.experts, "k": a.k}, "bandwidth": {}, "runs": []}
+    layers = {}
+    for name in a.weights.split(","):
+        t0 = time.perf_counter()
+        layers[name] = make_layer(name, a.experts, a.f, a.d, a.distinct)
+        print(f"{name}: {layers[name].expert_bytes() / 1e6:.2f} MB an expert, "
+              f"{layers[name].expert_bytes() * a.experts / 1e9:.2f} GB a layer (built in {time.perf_counter() - t0:.1f} s)")
+    for th in threads:
+        numba.set_num_threads(th)
+        bw = read_bandwidth(a.bw_mib, max(5, a.reps // 2))
+        results["bandwidth"][th] = bw
+        print(f"\nthreads {th}: read bandwidth (numba parallel sum, {a.bw_mib} MiB f32) {bw:.1f} GB/s")
+        print(f"{'weights':8s} {'act':4s} {'N':>4s} {'ms':>8s} {'MB':>7s} {'GB/s':>6s} {'ratio':>5s} "
+              f"{'best GB/s':>9s} {'work GB/s':>9s}")
+        for name, layer in layers.items():
+            for N in tokens:
+                case = bench_case(layer, a.acts.split(","), N, a.k, a.reps, a.warmup, chunksize=a.chunksize)
+                for act, r in case.items():
+                    r.update(weights=name, act=act, N=N, threads=th, ratio=r["GBps"] / bw)
+                    results["runs"].append(r)
+                    print(f"{name:8s} {act:4s} {N:4d} {r['ms']:8.3f} {r['GB'] * 1e3:7.1f} {r['GBps']:6.2f} {r['ratio']:5.2f} "
+                          f"{r['GBps_best']:9.2f} {r['work_GBps']:9.2f}")
+    results["machine"]["threading_layer"] = numba.threading_layer()
+    print(f"\nnumba threading layer: {results['machine']['threading_layer']}")
+    if a.asm:
+        results["asm"] = asm_mix()
+        for name, ops in results["asm"].items():
+            print(f"{name:14s} " + ", ".join(f"{op} x{n}" for op, n in ops))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(results, f, indent=1)
+        print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,260 @@
+"""Host expert kernels (bloomery_jax.host) against their NumPy float64 twin, with a derived tolerance.
+
+Every comparison is ``|kernel - reference| <= tol`` elementwise, where ``tol`` comes from
+``reference.moe_swiglu_bound``: a first-order rounding bound, ``n 2^-24 sum_i mag_i |v_i|`` per
+dot product of K terms (n = K + 64 roundings with float32 activations, K / 32 + 16 with the
+exact integer block sums of act="q8"; mag = |scale * quant| + |min| per element), carried
+through silu, the product, the 8-bit re-rounding of the hidden vector under ``act="q8"`` (where
+the kernel's hidden vector may round to the neighbouring integer) and the weighted sum. Under
+``act="q8"`` the reference rounds x exactly as the kernel does (checked bit for bit below), so
+no activation-quantization slack is needed. Control tests show the bound catches one flipped
+quant (by 8-28x here); typical errors are 1e-4 to 1e-3 of it (it is a worst case).
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import jax.numpy as jnp
+import numba
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+
+from bloomery_jax.host import HostExpertLayer, HostTensor, host_moe_swiglu
+from bloomery_jax.host import blocks as B
+from bloomery_jax.host import reference as R
+from bloomery_jax.ops.actquant import round_activations
+from bloomery_jax.quant import quantize
+
+E, D = 8, 256
+# (gate/up type, down type, F): F must be a multiple of 256 where down is a K-quant;
+# Q8_0 with F = 96 runs the kernel's tail for rows that are not a multiple of 4 blocks.
+FORMATS = {
+    "Q4_K_M": (T.Q4_K, T.Q6_K, 256),
+    "Q5_K": (T.Q5_K, T.Q5_K, 256),
+    "Q6_K": (T.Q6_K, T.Q6_K, 256),
+    "Q8_0": (T.Q8_0, T.Q8_0, 128),
+    "Q8_0_tail": (T.Q8_0, T.Q8_0, 96),
+    "Q4_K/Q8_0": (T.Q4_K, T.Q8_0, 128),
+    "F32": (T.F32, T.F32, 128),
+    "F16": (T.F16, T.F16, 128),
+    "BF16": (T.BF16, T.BF16, 128),
+}
+
+
+def _tensor(w: np.ndarray, qtype) -> HostTensor:
+    raw = quantize(w, qtype, threads=1)  # uint8 [E, rows, row_bytes]
+    if qtype == T.F32:
+        data = raw.view(np.float32)
+    elif qtype == T.F16:
+        data = raw.view(np.float16)
+    elif qtype == T.BF16:
+        data = raw.view(np.uint16)
+    else:
+        data = raw
+    return HostTensor(data, qtype, w.shape)
+
+
+_LAYERS: dict[str, HostExpertLayer] = {}
+_DEQUANT: dict[str, dict] = {}  # per layer: the reference's dequantized experts
+
+
+def _bound(name, *args):
+    return R.moe_swiglu_bound(*args[:4], _layer(name), *args[4:], cache=_DEQUANT.setdefault(name, {}))
+
+
+def _layer(name: str) -> HostExpertLayer:
+    if name not in _LAYERS:
+        gu, dn, F = FORMATS[name]
+        rng = np.random.default_rng(zlib.crc32(name.encode()))
+        w = [rng.standard_normal(s).astype(np.float32) * 0.05 for s in ((E, F, D), (E, F, D), (E, D, F))]
+        _LAYERS[name] = HostExpertLayer(_tensor(w[0], gu), _tensor(w[1], gu), _tensor(w[2], dn))
+    return _LAYERS[name]
+
+
+def _routing(rng, N: int, k: int):
+    x = (rng.standard_normal((N, D)) * rng.uniform(0.5, 3, (N, 1))).astype(np.float32)
+    experts = np.stack([rng.choice(E, k, replace=False) for _ in range(N)]).astype(np.int32)  # top-k: distinct
+    weights = rng.dirichlet(np.ones(k), N).astype(np.float32)
+    return x, experts, weights
+
+
+def _check(y, ref, tol):
+    assert y.dtype == np.float32 and y.shape == ref.shape
+    err = np.abs(y.astype(np.float64) - ref)
+    worst = np.unravel_index(np.argmax(err - tol), err.shape)
+    assert np.all(err <= tol), f"err {err[worst]:.3g} > tol {tol[worst]:.3g} at {worst} (ref {ref[worst]:.3g})"
+    return float(np.max(err / np.maximum(tol, 1e-300)))
+
+
+@pytest.mark.parametrize("act", ["f32", "q8"])
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_matches_reference(name, act):
+    layer = _layer(name)
+    rng = np.random.default_rng(7)
+    for N, k in ((1, 2), (3, 4), (17, 3)):
+        x, experts, weights = _routing(rng, N, k)
+        on_host = rng.random(E) < 0.6
+        on_host[experts[0, 0]] = True  # at least one host pair
+        y = host_moe_swiglu(x, experts, weights, on_host, layer, act=act)
+        ref, tol = _bound(name, x, experts, weights, on_host, act)
+        ratio = _check(y, ref, tol)
+        print(name, act, N, f"max err/tol {ratio:.3g}, max tol / max |ref| {np.max(tol) / np.max(np.abs(ref)):.3g}")
+
+
+@pytest.mark.parametrize("act", ["f32", "q8"])
+def test_on_host_masks(act):
+    layer = _layer("Q4_K_M")
+    x, experts, weights = _routing(np.random.default_rng(1), 5, 4)
+    none = host_moe_swiglu(x, experts, weights, np.zeros(E, bool), layer, act=act)
+    assert none.dtype == np.float32 and np.all(none == 0)  # exact zeros, no pair on the host
+    all_on = np.ones(E, bool)
+    ref_all, tol_all = _bound("Q4_K_M", x, experts, weights, all_on, act)
+    _check(host_moe_swiglu(x, experts, weights, all_on, layer, act=act), ref_all, tol_all)
+    # token 2 routes only to experts that are on the card: its row is exactly zero
+    on_host = np.ones(E, bool)
+    on_host[experts[2]] = False
+    y = host_moe_swiglu(x, experts, weights, on_host, layer, act=act)
+    assert np.all(y[2] == 0)
+    _check(y, *_bound("Q4_K_M", x, experts, weights, on_host, act))
+    # the host part plus the card part is the whole: masks are additive
+    rest = host_moe_swiglu(x, experts, weights, ~on_host, layer, act=act)
+    assert np.all(np.abs(y.astype(np.float64) + rest - ref_all) <= 2 * tol_all)
+
+
+def test_empty_batch_and_thread_count_invariance():
+    layer = _layer("Q4_K_M")
+    y0 = host_moe_swiglu(np.zeros((0, D), np.float32), np.zeros((0, 2), np.int32), np.zeros((0, 2), np.float32),
+                         np.ones(E, bool), layer)
+    assert y0.shape == (0, D)
+    x, experts, weights = _routing(np.random.default_rng(2), 9, 4)
+    on_host = np.ones(E, bool)
+    before = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        one = host_moe_swiglu(x, experts, weights, on_host, layer)
+    finally:
+        numba.set_num_threads(before)
+    many = host_moe_swiglu(x, experts, weights, on_host, layer)
+    np.testing.assert_array_equal(one, many)  # each dot product belongs to one thread, in a fixed order
+
+
+@pytest.mark.parametrize("act", ["f32", "q8"])
+@pytest.mark.parametrize("name", ["Q4_K_M", "Q8_0"])
+def test_tolerance_catches_one_flipped_quant(name, act):
+    """Flip one quant of a down row (a 4-bit nibble, by 8 steps) where the hidden vector is largest."""
+    layer = _layer(name)
+    x, experts, weights = _routing(np.random.default_rng(3), 1, 2)
+    on_host = np.ones(E, bool)
+    e = int(experts[0, 0])
+    (wg, _), (wu, _), _ = (R.expert_matrix(t, e) for t in (layer.gate, layer.up, layer.down))
+    g, u = wg @ x[0], wu @ x[0]
+    f = int(np.argmax(np.abs(g / (1 + np.exp(-g)) * u)))
+    raw = layer.down.data.copy()
+    if layer.down.qtype == T.Q6_K:  # element f: block f // 256, half, group g, index l (see blocks.py)
+        b, half, g4, l = f // 256, f % 256 // 128, f % 128 // 32, f % 32
+        raw[e, 0, b * 210 + 64 * half + 32 * (g4 & 1) + l] ^= 0x8 << (4 * (g4 >> 1))
+    else:  # Q8_0: flip bit 3 of the int8 quant
+        raw[e, 0, f // 32 * 34 + 2 + f % 32] ^= 0x8
+    bad = HostExpertLayer(layer.gate, layer.up, HostTensor(raw, layer.down.qtype, layer.down.shape))
+    ref, tol = _bound(name, x, experts, weights, on_host, act)
+    _check(host_moe_swiglu(x, experts, weights, on_host, layer, act=act), ref, tol)
+    err = np.abs(host_moe_swiglu(x, experts, weights, on_host, bad, act=act) - ref)
+    print(name, act, "flipped: err / tol", err[0, 0] / tol[0, 0])
+    assert err[0, 0] > tol[0, 0], (err[0, 0], tol[0, 0])
+
+
+def test_unsupported_types_and_shapes_raise():
+    good = _layer("Q8_0")
+    raw = np.zeros((E, 128, D // 32 * 18), np.uint8)
+    q4_0 = HostTensor(raw, T.Q4_0, (E, 128, D))
+    with pytest.raises(ValueError, match="Q4_0"):
+        HostExpertLayer(q4_0, good.up, good.down)
+    with pytest.raises(ValueError, match="uint8"):
+        HostTensor(np.zeros((E, 128, 10), np.uint8), T.Q8_0, (E, 128, D))
+    with pytest.raises(ValueError, match="multiple"):
+        HostTensor(np.zeros((E, 128, 10), np.uint8), T.Q4_K, (E, 128, 100))
+    with pytest.raises(ValueError, match="expected gate/up"):
+        HostExpertLayer(good.gate, good.up, good.gate)
+    with pytest.raises(ValueError, match="act"):
+        HostExpertLayer(good.gate, good.up, good.down, act="int4")
+    x, experts, weights = _routing(np.random.default_rng(4), 2, 2)
+    with pytest.raises(ValueError, match="expert ids"):
+        host_moe_swiglu(x, experts + E, weights, np.ones(E, bool), good)
+    with pytest.raises(ValueError, match="on_host"):
+        host_moe_swiglu(x, experts, weights, np.ones(E + 1, bool), good)
+
+
+def _rows(rng, n, K):
+    x = (rng.standard_normal((n, K)) * rng.uniform(1e-3, 40, (n, 1))).astype(np.float32)
+    x[0, :256] = np.abs(x[0, :256])  # largest magnitude positive, then negative (Q8_K keeps the sign)
+    x[1, :256] = -np.abs(x[1, :256])
+    x[2, 256:512] = 0  # an all-zero block
+    x[3, :32] = np.float32(0.5) * np.arange(32)  # exact halves: rint's ties go to even
+    return x
+
+
+def test_activation_rounding_bit_equal_with_actquant():
+    rng = np.random.default_rng(5)
+    x = _rows(rng, 6, 1024)
+    for qtype in (T.Q4_K, T.Q8_0):
+        spec = np.asarray(round_activations(jnp.asarray(x), qtype, "ggml-cpu"))
+        for m in range(x.shape[0]):
+            if qtype == T.Q4_K:
+                xq, xd, xb = np.empty(1024, np.int16), np.empty(4, np.float32), np.empty(32, np.int32)
+                B.quantize_q8_k(x[m], xq, xd, xb)
+                vals, q, d = R.act_q8_k(x[m])
+                np.testing.assert_array_equal(xb, xq.reshape(32, 32).sum(1))
+                got = xq.astype(np.float32) * np.repeat(xd, 256)
+            else:
+                xq, xd = np.empty(1024, np.int16), np.empty(32, np.float32)
+                B.quantize_q8_0(x[m], xq, xd)
+                vals, q, d = R.act_q8_0(x[m])
+                got = xq.astype(np.float32) * np.repeat(xd, 32)
+            np.testing.assert_array_equal(xq, q)  # kernel == NumPy twin, quant for quant
+            np.testing.assert_array_equal(np.repeat(xd, d.size // xd.size), d)
+            np.testing.assert_array_equal(got, spec[m])  # == bloomery_jax.ops.actquant (== libggml-cpu)
+            np.testing.assert_array_equal(vals, spec[m])
+
+
+def test_f16_round_matches_numpy():
+    rng = np.random.default_rng(6)
+    v = np.concatenate([np.abs(rng.standard_normal(20000)) * 10.0 ** rng.uniform(-9, 5, 20000),
+                        [0.0, 2.0 ** -24, 2.0 ** -25, 3 * 2.0 ** -26, 65504.0, 65519.0, 65520.0, 1.0 + 2.0 ** -11]])
+    v = v.astype(np.float32)
+    got = np.array([B.f16_round(np.float32(a)) for a in v], np.float32)
+    with np.errstate(over="ignore"):  # 65520 rounds to inf, as it should
+        want = v.astype(np.float16).astype(np.float32)
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0])
+def test_row_dots_against_dequantized_rows(qtype):
+    """Each format's two row kernels alone, against the dequantized row (512 columns, 4 rows)."""
+    rng = np.random.default_rng(int(qtype))
+    K = 512
+    w = rng.standard_normal((4, K)).astype(np.float32)
+    raw = quantize(w, qtype, threads=1)
+    wd, mag = R.expert_matrix(HostTensor(raw[None], qtype, (1, 4, K)), 0)
+    x = rng.standard_normal(K).astype(np.float32)
+    tab16, _ = B.conversion_tables()
+    xs = np.empty(K // 32, np.float32)
+    B.sums32(x, xs)
+    if qtype == T.Q8_0:
+        xq, xd = np.empty(K, np.int16), np.empty(K // 32, np.float32)
+        B.quantize_q8_0(x, xq, xd)
+        v8 = R.act_q8_0(x)[0]
+    else:
+        xq, xd, xb = np.empty(K, np.int16), np.empty(K // 256, np.float32), np.empty(K // 32, np.int32)
+        B.quantize_q8_k(x, xq, xd, xb)
+        v8 = R.act_q8_k(x)[0]
+    f32_dot = {T.Q4_K: lambda r: B.dot_q4_k_f32(r, x, xs, tab16), T.Q5_K: lambda r: B.dot_q5_k_f32(r, x, xs, tab16),
+               T.Q6_K: lambda r: B.dot_q6_k_f32(r, x, tab16), T.Q8_0: lambda r: B.dot_q8_0_f32(r, x, tab16)}[qtype]
+    q8_dot = {T.Q4_K: lambda r: B.dot_q4_k_q8(r, xq, xd, xb, tab16), T.Q5_K: lambda r: B.dot_q5_k_q8(r, xq, xd, xb, tab16),
+              T.Q6_K: lambda r: B.dot_q6_k_q8(r, xq, xd, tab16), T.Q8_0: lambda r: B.dot_q8_0_q8(r, xq, xd, tab16)}[qtype]
+    for r in range(4):
+        for dot, v in ((f32_dot, x), (q8_dot, v8)):
+            kind = "f32" if v is x else R.act_kind(qtype, "q8")
+            tol = R.dot_rounds(K, kind) * R.U * (mag[r] @ np.abs(v.astype(np.float64)))  # moe_swiglu_bound's
+            assert abs(dot(raw[r]) - wd[r] @ v.astype(np.float64)) <= tol
