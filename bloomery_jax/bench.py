@@ -85,6 +85,12 @@ def _timed_decode(engine, seqs, n: int) -> float:
     return time.perf_counter() - t0
 
 
+def _served(steps: list[tuple[int, int]]) -> float | None:
+    """Card-served fraction of the routed calls of some decode steps."""
+    routed = sum(r for _, r in steps)
+    return sum(c for c, _ in steps) / routed if routed else None
+
+
 def _fill_depth(engine, seqs, depth: int) -> None:
     """Feed the first ``depth`` tokens of each sequence, untimed."""
     for s in seqs:
@@ -108,7 +114,7 @@ def run_parallel(model, args, parallel: int, progress, rng) -> tuple[list[dict],
                               buckets=[bucket_for(engine.buckets, parallel)])
     progress.done(f"parallel {parallel}: compiled in {compile_s:.2f} s")
     greedy = SamplingParams(temperature=0.0)
-    pp, tg = [], []
+    pp, tg, edges = [], [], []
     for rep in range(args.reps + 1):
         label = "warm-up" if rep == 0 else f"rep {rep}/{args.reps}"
         progress.update(f"parallel {parallel}: {label}")
@@ -121,9 +127,13 @@ def run_parallel(model, args, parallel: int, progress, rng) -> tuple[list[dict],
         else:
             _timed_prefill(engine, seqs)
         if n > 0:
+            first = len(engine.decode_served)
             t = _timed_decode(engine, seqs, n)
             if rep:
                 tg.append(parallel * n / t)
+                steps = engine.decode_served[first:]
+                if steps:  # host experts: how much of this decode the card served, early and late
+                    edges.append((_served(steps[:16]), _served(steps[-16:])))
         for s in seqs:
             engine.release(s)
     progress.done(f"parallel {parallel}: {args.reps} repetitions done")
@@ -135,6 +145,9 @@ def run_parallel(model, args, parallel: int, progress, rng) -> tuple[list[dict],
                             "tps_max": max(samples), "samples": samples})
     if records:
         placement_stats(engine, records[-1], args)
+    if edges and n > 0:  # the tg record: medians over repetitions
+        records[-1]["placement"]["decode_first16_card_fraction"] = statistics.median(e[0] for e in edges)
+        records[-1]["placement"]["decode_last16_card_fraction"] = statistics.median(e[1] for e in edges)
     return records, compile_s
 
 
