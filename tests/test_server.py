@@ -564,3 +564,25 @@ def _check_soak(server, n_requests: int, rss_bound_mib: float):
 
 def test_soak_200_requests_8_at_a_time(server):
     _check_soak(server, 200, rss_bound_mib=16)
+
+
+def test_hybrid_server_reports_expert_placement(synth_model, tmp_path_factory):
+    """A second server with 2 of each layer's experts on the card and LFU residency: requests
+    complete, and /metrics counts routed and card-served expert calls and the swaps."""
+    path, _ = synth_model(route_skew=2.0)
+    log_path = tmp_path_factory.mktemp("hybrid") / "server.log"
+    proc, port, seen = start_server(
+        ["--model", str(path), "--parallel", "1", "--api-key", KEY, "--place", "card-experts=2",
+         "--residency", "lfu", "--gin_param", "RuntimeSettings.max_context = 256",
+         "--gin_param", "RuntimeSettings.ubatch = 32"], log_path)
+    try:
+        srv = Server(proc, port, log_path, seen)
+        for content in ("hello", "the hot experts should move to the card"):
+            r = chat(srv, content, max_tokens=12)
+            assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens > 0
+        routed, card = srv.metric("expert_calls_total"), srv.metric("expert_calls_card_total")
+        assert routed > 0 and 0 < card <= routed
+        assert srv.metric("expert_card_served_ratio") == pytest.approx(card / routed)
+        assert srv.metric("expert_swaps_total") > 0 and srv.metric("expert_swap_bytes_total") > 0
+    finally:
+        stop_server(proc)
