@@ -27,7 +27,7 @@ import time
 
 import numpy as np
 
-from .cli_options import PLACE_HELP, add_residency_args
+from .cli_options import PLACE_HELP, WEIGHTS_HELP, add_residency_args
 from .engine.steps import bucket_for
 from .errors import BloomeryError, ConfigError
 
@@ -59,6 +59,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-dtype", default="float32", help="float32 | bfloat16 | float16")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompt tokens")
     p.add_argument("--place", default="card", help=PLACE_HELP)
+    p.add_argument("--weights", choices=("blocks", "f32", "auto"), default="auto", help=WEIGHTS_HELP)
     add_residency_args(p)
     p.add_argument("--json", action="store_true", help="one JSON record per line instead of a table")
     p.add_argument("--no-compile-cache", action="store_true", help="do not use the persistent compilation cache")
@@ -174,7 +175,7 @@ def run(argv: list[str] | None = None, out=None, err=None) -> list[dict]:
     if not args.no_compile_cache:
         enable_compile_cache()
     progress = Progress(err or sys.stderr, quiet=args.quiet)
-    model, _, load_s = open_model(args.model, progress, args.place)
+    model, _, load_s = open_model(args.model, progress, args.place, args.weights)
     witness = source_witness()
     size = sum(int(t.data.nbytes) for t in model.gguf.tensors.values())
     rng = np.random.default_rng(args.seed)

@@ -6,6 +6,11 @@ PLACE_HELP = ("where routed experts run: card | cpu-moe | n-cpu-moe=N | last-cpu
               "budget=20GiB | override=REGEX (default card)")
 
 
+WEIGHTS_HELP = ("card weights as the file's blocks (dequantized in every step), f32 copies (dequantized once; "
+                "faster on the reference path, 4-8x the memory), or auto: f32 up to 2 GiB with no host experts "
+                "(default auto)")
+
+
 def add_residency_args(parser, record_routing: bool = True) -> None:
     """The adaptive-residency options shared by generate, bench and serve."""
     parser.add_argument("--residency", choices=("off", "lfu", "lru"), default="off",

@@ -18,6 +18,7 @@ from .errors import ConfigError
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 KERNELS = ("reference", "pallas")
 KV_DTYPES = ("float32", "bfloat16", "float16")
+WEIGHT_FORMS = ("blocks", "f32", "auto")  # as models.loader.WEIGHT_FORMS (not imported: no JAX here)
 
 
 @gin.configurable
@@ -29,10 +30,13 @@ class RuntimeSettings:
     kernels: str = "reference"  # reference: jnp dequantize+matmul; pallas: GPU kernels
     placement: str = "card"  # placement rule string (see bloomery_jax.placement)
     kv_dtype: str = "float32"
+    weights: str = "auto"  # card weights: blocks | f32 | auto (models.loader.load_model)
 
     def __post_init__(self):
         if self.kernels not in KERNELS:
             raise ConfigError(f"RuntimeSettings.kernels must be one of {KERNELS}, got {self.kernels!r}")
+        if self.weights not in WEIGHT_FORMS:
+            raise ConfigError(f"RuntimeSettings.weights must be one of {WEIGHT_FORMS}, got {self.weights!r}")
         if self.kv_dtype not in KV_DTYPES:
             raise ConfigError(f"RuntimeSettings.kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
         for name in ("max_context", "ubatch", "parallel"):

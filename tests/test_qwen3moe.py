@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T, GGUFWriter
 
-from bloomery_jax.errors import GGUFError, UnsupportedArchitectureError
+from bloomery_jax.errors import ConfigError, GGUFError, UnsupportedArchitectureError
 from bloomery_jax.gguf_file import GGUFFile
 from bloomery_jax.models import qwen3moe
 from bloomery_jax.models.loader import load_model
@@ -113,6 +113,31 @@ def test_loader_puts_raw_blocks_on_device(synth_model):
     assert w.type_name == "Q8_0" and w.shape == (8, 64, 64)
     assert w.data.dtype == jnp.uint8 and w.data.shape == (8, 64, 64 // 32 * 34)  # blocks, not floats
     assert isinstance(m.cfg, qwen3moe.Config) and m.module is qwen3moe
+
+
+def test_f32_weights_give_the_same_logits_bit_for_bit(synth_model):
+    """weights='f32' dequantizes once at load exactly as every step would: identical logits."""
+    path, _ = synth_model(qtype="Q4_K_M", seed=5, n_layers=2, d_model=256, n_heads=4, n_kv_heads=2, head_dim=64,
+                          n_experts=8, n_experts_used=2, expert_ff=256, n_vocab=512)
+    tokens = np.random.default_rng(0).integers(0, 512, (1, 24))
+    pos = np.arange(24)[None]
+    out = {}
+    for weights in ("blocks", "f32"):
+        m = load_model(path, weights=weights)
+        out[weights] = np.asarray(qwen3moe.jit_forward(m.params, m.cfg, tokens, pos, m.init_cache(1, 24))[0])
+    assert isinstance(load_model(path, weights="auto").params["blk.0.attn_q.weight"], jnp.ndarray)
+    np.testing.assert_array_equal(out["f32"], out["blocks"])
+
+
+def test_weights_choice_and_errors(synth_model):
+    path, _ = synth_model(qtype="Q8_0", seed=5, n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16,
+                          n_experts=4, n_experts_used=2, expert_ff=64, n_vocab=320)
+    hybrid = load_model(path, place="cpu-moe", weights="auto")  # host experts: the card keeps blocks
+    assert not isinstance(hybrid.params["blk.0.attn_q.weight"], jnp.ndarray)
+    with pytest.raises(ConfigError, match="needs every expert on the card"):
+        load_model(path, place="cpu-moe", weights="f32")
+    with pytest.raises(ConfigError, match="weights='bf16'"):
+        load_model(path, weights="bf16")
 
 
 def test_loader_refuses_other_architecture(tmp_path):

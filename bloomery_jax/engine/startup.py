@@ -64,13 +64,14 @@ class Progress:
         self.stream.flush()
 
 
-def open_model(path, progress: Progress, place: str = "card"):
+def open_model(path, progress: Progress, place: str = "card", weights: str = "auto"):
     """Load a model and its tokenizer. Returns (model, tokenizer, seconds).
 
     Args:
       path: a GGUF file, or None for the embedded default model.
       progress: where the "loading" line goes.
       place: the expert placement rule (``placement.parse_rule``).
+      weights: card weights as blocks | f32 | auto (``models.loader.load_model``).
     Raises:
       BloomeryError (GGUFError, ConfigError, ...) on a bad file; for the default model an
       unsupported architecture says which one the default model needs.
@@ -87,7 +88,7 @@ def open_model(path, progress: Progress, place: str = "card"):
     t0 = time.perf_counter()
     progress.update(f"loading {path} ...")
     try:
-        model = load_model(path, place=place)
+        model = load_model(path, place=place, weights=weights)
     except UnsupportedArchitectureError as e:
         if default:
             raise UnsupportedArchitectureError(

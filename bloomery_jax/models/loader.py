@@ -19,7 +19,7 @@ import jax
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
-from ..errors import GGUFError
+from ..errors import ConfigError, GGUFError
 from ..gguf_file import GGUFFile
 from ..quant import SUPPORTED_TYPES, QTensor
 from .registry import module_for_file
@@ -57,8 +57,12 @@ def check_types(gf: GGUFFile) -> None:
                             tensor=info.name)
 
 
+WEIGHT_FORMS = ("blocks", "f32", "auto")
+AUTO_F32_BYTES = 2 << 30  # "auto" keeps float32 copies of card weights up to this size
+
+
 def load_model(path: str | os.PathLike, *, device=None, place="card", reserve_bytes: int = 0,
-               host_threads: int | None = None, host_act: str | None = None) -> Model:
+               host_threads: int | None = None, host_act: str | None = None, weights: str = "blocks") -> Model:
     """Open ``path``, check it against its architecture, and put its tensors on ``device``.
 
     Args:
@@ -69,6 +73,10 @@ def load_model(path: str | os.PathLike, *, device=None, place="card", reserve_by
       host_threads: Numba threads of the host experts (None = Numba's default).
       host_act: host experts' activations, "q8" (rounded to 8 bits as llama.cpp's CPU backend does,
         integer block sums) or "f32"; None = ``host.DEFAULT_ACT``.
+      weights: card weights as the file's "blocks" (dequantized inside every step), as "f32"
+        copies (the same values, dequantized once at load: the reference path then skips the
+        per-step dequantization; 4-8x the memory), or "auto": f32 when those copies take at
+        most AUTO_F32_BYTES and no expert runs on the host, else blocks.
     Returns:
       the Model.
     """
@@ -99,7 +107,22 @@ def load_model(path: str | os.PathLike, *, device=None, place="card", reserve_by
     if expert_layer:
         bridge = _host_bridge(gf.path, host_tensors, host_threads, host_act) if host_tensors else None
         placement = Placement(jax.device_put(slot_table(on_card), device), bridge)
+    if _want_f32(weights, params, bool(host_tensors)):
+        # Exactly the values the per-step dequantization forms (quant.dequantize is bit-exact).
+        params = jax.jit(lambda ps: {k: q.dequantize() for k, q in ps.items()})(params)
     return Model(gguf=gf, cfg=cfg, params=params, module=module, placement=placement)
+
+
+def _want_f32(weights: str, params: dict, has_host: bool) -> bool:
+    if weights not in WEIGHT_FORMS:
+        raise ConfigError(f"weights={weights!r}: must be one of {', '.join(WEIGHT_FORMS)}")
+    if weights == "blocks":
+        return False
+    if weights == "f32" and has_host:
+        # residency copies the file's blocks into card slots: the card must hold blocks too
+        raise ConfigError("weights='f32' needs every expert on the card (placement 'card'); use 'blocks' or 'auto'")
+    f32_bytes = 4 * sum(int(np.prod(q.shape)) for q in params.values())
+    return weights == "f32" or (not has_host and f32_bytes <= AUTO_F32_BYTES)
 
 
 def _host_bridge(path: str, host_tensors: dict, threads: int | None, act: str | None):
