@@ -11,8 +11,10 @@ disturbs them alike). It reports the median time over ``--reps`` routings after 
 and GB/s = bytes of the distinct experts the call touched / time, next to a Numba parallel sum
 over a large float32 array measured in the same run with the same threads (the read
 bandwidth), and their ratio. "work GB/s" counts an expert's bytes once per (token, expert)
-pair: the rate of the dot products themselves, above GB/s once tokens share experts (each pair
-reads the rows again, from cache). Routing changes every call and walks through all E experts,
+pair: the rate of the dot products themselves, above GB/s once tokens share experts (an expert
+with ``multi_min`` tokens or more decodes each row once for all of them; fewer, and each pair
+reads the rows again, from cache). ``--multi-min`` sets host_moe_swiglu's threshold (default:
+its own; a large value turns the multi-token path off, for a before/after in one run). Routing changes every call and walks through all E experts,
 so the weights come from DRAM, not from the last call's cache.
 
 Weights: ``--distinct`` experts are quantized from random normals with the repo's quantizer and
@@ -94,7 +96,7 @@ def routings(rng, N: int, k: int, E: int, count: int):
 
 
 def bench_case(layer, acts: list[str], N: int, k: int, reps: int, warmup: int, seed: int = 0,
-               chunksize: int = CHUNKSIZE) -> dict[str, dict]:
+               chunksize: int = CHUNKSIZE, multi_min: int | None = None) -> dict[str, dict]:
     """Time one layer call per routing for each activation variant, interleaved (act after act on
     the same routing), so that a noisy machine disturbs the variants alike."""
     E = layer.n_experts
@@ -110,7 +112,7 @@ def bench_case(layer, acts: list[str], N: int, k: int, reps: int, warmup: int, s
     for i, ex in enumerate(routes):
         for act in acts:
             t0 = time.perf_counter()
-            host_moe_swiglu(x, ex, w, on_host, layer, act=act, chunksize=chunksize)
+            host_moe_swiglu(x, ex, w, on_host, layer, act=act, chunksize=chunksize, multi_min=multi_min)
             dt = time.perf_counter() - t0
             if i >= warmup:
                 ts[act].append(dt)
@@ -139,6 +141,12 @@ def asm_mix(top: int = 8) -> dict[str, list]:
              "dot_q6_k_f32": (row(420), x, tab16), "dot_q6_k_q8": (row(420), xq, xd, tab16),
              "dot_q8_0_f32": (row(544), x, tab16), "dot_q8_0_q8": (row(544), xq, xd, tab16),
              "dot_f32": (row(4 * K), x), "dot_f16": (row(2 * K), x, tab16)}
+    # the multi-token path: one row decoded into buffers, then dotted with several tokens
+    wq, wsc, wm, wdm, wf = (np.zeros(K, np.int16), np.zeros(K // 32 + 1, np.float32), np.zeros(K // 32 + 1, np.int16),
+                            np.zeros(K // 256 + 1, np.float32), np.zeros(K, np.float32))
+    X, XQ, XD, XB = np.zeros((4, K), np.float32), np.zeros((4, K), np.int16), np.zeros((4, K // 32), np.float32), np.zeros((4, K // 32), np.int32)
+    calls["decode_row"] = (B.Q4_K, 1, row(288), wq, wsc, wm, wdm, wf, tab16, tabbf)
+    calls["mdot"] = (B.Q4_K, 1, wq, wsc, wm, wdm, wf, np.arange(4), X, XQ, XD, XB, XQ, XD, np.zeros(4, np.float32))
     out = {}
     for name, args in calls.items():
         fn = njit(fastmath=True, nogil=True)(getattr(B, name).py_func)  # uncached: Numba can't inspect cached code
@@ -162,6 +170,8 @@ def main(argv=None) -> None:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--chunksize", type=int, default=CHUNKSIZE, help="host_moe_swiglu's chunksize (0: static)")
+    p.add_argument("--multi-min", type=int, default=None,
+                   help="host_moe_swiglu's multi_min (default: its own; 1000000 turns the multi-token path off)")
     p.add_argument("--distinct", type=int, default=4, help="experts quantized, then tiled to E")
     p.add_argument("--bw-mib", type=int, default=1024, help="array size of the read-bandwidth sum")
     p.add_argument("--asm", action="store_true", help="print each row kernel's packed-SIMD mix (after the run)")
@@ -188,7 +198,8 @@ def main(argv=None) -> None:
               f"{'best GB/s':>9s} {'work GB/s':>9s}")
         for name, layer in layers.items():
             for N in tokens:
-                case = bench_case(layer, a.acts.split(","), N, a.k, a.reps, a.warmup, chunksize=a.chunksize)
+                case = bench_case(layer, a.acts.split(","), N, a.k, a.reps, a.warmup, chunksize=a.chunksize,
+                                  multi_min=a.multi_min)
                 for act, r in case.items():
                     r.update(weights=name, act=act, N=N, threads=th, ratio=r["GBps"] / bw)
                     results["runs"].append(r)

@@ -258,3 +258,83 @@ def test_row_dots_against_dequantized_rows(qtype):
             kind = "f32" if v is x else R.act_kind(qtype, "q8")
             tol = R.dot_rounds(K, kind) * R.U * (mag[r] @ np.abs(v.astype(np.float64)))  # moe_swiglu_bound's
             assert abs(dot(raw[r]) - wd[r] @ v.astype(np.float64)) <= tol
+
+
+def _shared_routing(rng, N: int, k: int):
+    """Routing with mixed token counts per expert: most tokens share experts 0-3 (many tokens
+    each), token N - 1 alone uses experts 4-6 (one token each), and expert 7 has two tokens."""
+    x, _, weights = _routing(rng, N, k)
+    experts = np.stack([rng.choice(4, k, replace=False) for _ in range(N)]).astype(np.int32)
+    experts[N - 1] = np.arange(4, 4 + k)
+    experts[0, 0], experts[1, 0] = 7, 7
+    return x, experts, weights
+
+
+@pytest.mark.parametrize("act", ["f32", "q8"])
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_shared_experts_decode_rows_once(name, act):
+    """Several tokens per expert (the prefill path: each row decoded once for all its tokens),
+    mixed with experts of one and two tokens, against the reference with the same bound;
+    multi_min = 1 sends every expert through the multi-token path, a large one none."""
+    layer = _layer(name)
+    rng = np.random.default_rng(8)
+    x, experts, weights = _shared_routing(rng, 20, 3)
+    on_host = np.ones(E, bool)
+    on_host[5] = False
+    ref, tol = _bound(name, x, experts, weights, on_host, act)
+    ys = {}
+    for multi_min in (1, 3, None, 1000):
+        ys[multi_min] = host_moe_swiglu(x, experts, weights, on_host, layer, act=act, multi_min=multi_min)
+        ratio = _check(ys[multi_min], ref, tol)
+        print(name, act, "multi_min", multi_min, f"max err/tol {ratio:.3g}")
+    assert not np.array_equal(ys[1], np.zeros_like(ys[1]))
+
+
+def test_multi_token_path_thread_count_invariance():
+    for name in ("Q4_K_M", "Q8_0_tail"):
+        layer = _layer(name)
+        x, experts, weights = _shared_routing(np.random.default_rng(9), 16, 3)
+        on_host = np.ones(E, bool)
+        before = numba.get_num_threads()
+        try:
+            numba.set_num_threads(1)
+            one = host_moe_swiglu(x, experts, weights, on_host, layer, multi_min=2)
+        finally:
+            numba.set_num_threads(before)
+        np.testing.assert_array_equal(one, host_moe_swiglu(x, experts, weights, on_host, layer, multi_min=2))
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.F32, T.F16, T.BF16])
+def test_decoded_row_dots_against_dequantized_rows(qtype):
+    """blocks.decode_row + blocks.mdot alone (3 tokens, 544 or 512 columns), with dot_rounds' bound."""
+    rng = np.random.default_rng(int(qtype) + 100)
+    K = 544 if qtype == T.Q8_0 else 512  # Q8_0: 17 blocks, the tail of the four-block loop
+    w = rng.standard_normal((4, K)).astype(np.float32)
+    t = _tensor(w[None], qtype)
+    wd, mag = R.expert_matrix(t, 0)
+    raw = t.raw[0]
+    fmt = {T.Q4_K: B.Q4_K, T.Q5_K: B.Q5_K, T.Q6_K: B.Q6_K, T.Q8_0: B.Q8_0, T.F32: B.F32, T.F16: B.F16,
+           T.BF16: B.BF16}[qtype]
+    X = _rows(rng, 4, K)[1:]
+    M = X.shape[0]
+    XQK, XDK, XBK = np.empty((M, K), np.int16), np.empty((M, K // 256 + 1), np.float32), np.empty((M, K // 32), np.int32)
+    XQ0, XD0 = np.empty((M, K), np.int16), np.empty((M, K // 32), np.float32)
+    for m in range(M):
+        if K % 256 == 0:
+            B.quantize_q8_k(X[m], XQK[m], XDK[m], XBK[m])
+        B.quantize_q8_0(X[m], XQ0[m], XD0[m])
+    tab16, tabbf = B.conversion_tables()
+    wq, wsc, wm = np.empty(K, np.int16), np.empty(K // 32 + 1, np.float32), np.empty(K // 32 + 1, np.int16)
+    wdm, wf = np.empty(K // 256 + 1, np.float32), np.empty(K, np.float32)
+    ids = np.arange(M)
+    res = np.empty(M, np.float32)
+    for act in ("f32", "q8"):
+        kind = R.act_kind(qtype, act)
+        code = {"f32": 0, "q8_k": 1, "q8_0": 2}[kind]
+        for r in range(4):
+            B.decode_row(fmt, code, raw[r], wq, wsc, wm, wdm, wf, tab16, tabbf)
+            B.mdot(fmt, code, wq, wsc, wm, wdm, wf, ids, X, XQK, XDK, XBK, XQ0, XD0, res)
+            for m in range(M):
+                v = R.round_act(X[m], kind).astype(np.float64)
+                tol = R.dot_rounds(K, kind) * R.U * (mag[r] @ np.abs(v))
+                assert abs(res[m] - wd[r] @ v) <= tol, (act, r, m)

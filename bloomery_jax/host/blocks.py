@@ -2,7 +2,9 @@
 
 Each ``dot_<format>_<act>(row, ...) -> float32`` takes one weight row as the file's bytes
 (uint8 ``[row_bytes]``, a view of the memmap) and one activation row, and returns their dot
-product without ever writing the dequantized row out. Two activation variants:
+product without ever writing the dequantized row out. For several tokens on one row,
+``decode_row`` + ``mdot`` (at the end) decode the row once into a small buffer and dot it with
+each token, four at a time, with the same integer block sums. Two activation variants:
 
 * ``_f32``: float32 activations. Each block's products are summed as ``scale * quant * x``
   in float32 (the min term of Q4_K/Q5_K through precomputed sums of ``x`` per 32).
@@ -458,3 +460,332 @@ def sums32(x, xs):
         for j in range(32):
             s += x[b * 32 + j]
         xs[b] = s
+
+
+# ---------------------------------------------------------------------------------------------
+# Multi-token rows: a row decoded once into small buffers, then dotted with several tokens.
+#
+# ``decode_row`` turns a quantized row into int16 ``wq [K]`` (the block's integer weight, scale
+# included where it is an integer: Q4_K/Q5_K sub-block scale × quant <= 63 * 31, Q6_K int8 scale
+# × (q - 32) <= 128 * 32, Q8_0 the int8 quant), the float scale per block ``wsc`` (d per 256,
+# Q8_0 per 32) and the Q4_K/Q5_K mins (``wm`` int16 per 32, ``wdm`` = dmin per 256). Against
+# Q8_K / Q8_0 activations ``mdot`` then forms the same exact int32 block sums as the per-token
+# kernels above (so the same rounding count, K / 32 + 16 at most). For float32 activations
+# ``decode_row`` also writes the dequantized row ``wf`` float32 [K]: ``d (s q)`` (exact integer
+# s q, one rounding), ``- dmin m`` (two more), and ``mdot`` is a plain K-term float32 dot: at
+# most K + 3 roundings a term, within the K + 64 of ``reference.dot_rounds``. F32/F16/BF16 rows
+# are copied/looked up into ``wf`` exactly.
+
+
+@njit(**_JIT)
+def decode_row(fmt, kind, row, wq, wsc, wm, wdm, wf, tab16, tabbf):
+    """Decode one row of format ``fmt`` for activation kind ``kind`` (0 float32, 1 Q8_K, 2 Q8_0)."""
+    K = wq.shape[0]
+    if fmt == F32:
+        w = row.view(np.float32)
+        for i in range(K):
+            wf[i] = w[i]
+        return
+    if fmt == F16 or fmt == BF16:
+        tab = tab16 if fmt == F16 else tabbf
+        w = row.view(np.uint16)
+        for i in range(K):
+            wf[i] = tab[w[i]]
+        return
+    if fmt == Q4_K or fmt == Q5_K:
+        bb = 144 if fmt == Q4_K else 176
+        for b in range(row.shape[0] // bb):
+            o = b * bb
+            x0 = b * 256
+            s0, s1, s2, s3, s4, s5, s6, s7, m0, m1, m2, m3, m4, m5, m6, m7 = _k4_scales(row, o)
+            wsc[b] = _f16(row, o, tab16)
+            wdm[b] = _f16(row, o + 2, tab16)
+            j = b * 8
+            wm[j], wm[j + 1], wm[j + 2], wm[j + 3] = i16(m0), i16(m1), i16(m2), i16(m3)
+            wm[j + 4], wm[j + 5], wm[j + 6], wm[j + 7] = i16(m4), i16(m5), i16(m6), i16(m7)
+            if fmt == Q4_K:
+                q = o + 16
+                for l in range(32):
+                    b0, b1, b2, b3 = row[q + l], row[q + 32 + l], row[q + 64 + l], row[q + 96 + l]
+                    wq[x0 + l] = i16(s0 * i32(b0 & 15))
+                    wq[x0 + 32 + l] = i16(s1 * i32(b0 >> 4))
+                    wq[x0 + 64 + l] = i16(s2 * i32(b1 & 15))
+                    wq[x0 + 96 + l] = i16(s3 * i32(b1 >> 4))
+                    wq[x0 + 128 + l] = i16(s4 * i32(b2 & 15))
+                    wq[x0 + 160 + l] = i16(s5 * i32(b2 >> 4))
+                    wq[x0 + 192 + l] = i16(s6 * i32(b3 & 15))
+                    wq[x0 + 224 + l] = i16(s7 * i32(b3 >> 4))
+            else:
+                qh = o + 16
+                q = o + 48
+                for l in range(32):
+                    h = row[qh + l]
+                    b0, b1, b2, b3 = row[q + l], row[q + 32 + l], row[q + 64 + l], row[q + 96 + l]
+                    wq[x0 + l] = i16(s0 * _q5(b0, h, 0))
+                    wq[x0 + 32 + l] = i16(s1 * _q5(b0, h, 1))
+                    wq[x0 + 64 + l] = i16(s2 * _q5(b1, h, 2))
+                    wq[x0 + 96 + l] = i16(s3 * _q5(b1, h, 3))
+                    wq[x0 + 128 + l] = i16(s4 * _q5(b2, h, 4))
+                    wq[x0 + 160 + l] = i16(s5 * _q5(b2, h, 5))
+                    wq[x0 + 192 + l] = i16(s6 * _q5(b3, h, 6))
+                    wq[x0 + 224 + l] = i16(s7 * _q5(b3, h, 7))
+        if kind == 0:  # (d (s q)) - (dmin m): eight 32-element streams a body, as in the dots
+            for b in range(K // 256):
+                x0 = b * 256
+                d = wsc[b]
+                dm = wdm[b]
+                j = b * 8
+                n0, n1, n2, n3 = dm * f32(wm[j]), dm * f32(wm[j + 1]), dm * f32(wm[j + 2]), dm * f32(wm[j + 3])
+                n4, n5, n6, n7 = dm * f32(wm[j + 4]), dm * f32(wm[j + 5]), dm * f32(wm[j + 6]), dm * f32(wm[j + 7])
+                for l in range(32):
+                    wf[x0 + l] = d * f32(wq[x0 + l]) - n0
+                    wf[x0 + 32 + l] = d * f32(wq[x0 + 32 + l]) - n1
+                    wf[x0 + 64 + l] = d * f32(wq[x0 + 64 + l]) - n2
+                    wf[x0 + 96 + l] = d * f32(wq[x0 + 96 + l]) - n3
+                    wf[x0 + 128 + l] = d * f32(wq[x0 + 128 + l]) - n4
+                    wf[x0 + 160 + l] = d * f32(wq[x0 + 160 + l]) - n5
+                    wf[x0 + 192 + l] = d * f32(wq[x0 + 192 + l]) - n6
+                    wf[x0 + 224 + l] = d * f32(wq[x0 + 224 + l]) - n7
+        return
+    if fmt == Q6_K:
+        for b in range(row.shape[0] // 210):
+            o = b * 210
+            wsc[b] = _f16(row, o + 208, tab16)
+            for h in range(2):
+                ql = o + 64 * h
+                qh = o + 128 + 32 * h
+                x0 = b * 256 + 128 * h
+                k = o + 192 + 8 * h
+                c0, c1, c2, c3 = _i8(row[k]), _i8(row[k + 1]), _i8(row[k + 2]), _i8(row[k + 3])
+                c4, c5, c6, c7 = _i8(row[k + 4]), _i8(row[k + 5]), _i8(row[k + 6]), _i8(row[k + 7])
+                for l in range(16):
+                    m = l + 16
+                    wq[x0 + l] = i16(c0 * _q6(row, ql, qh, 0, l))
+                    wq[x0 + m] = i16(c1 * _q6(row, ql, qh, 0, m))
+                    wq[x0 + 32 + l] = i16(c2 * _q6(row, ql, qh, 1, l))
+                    wq[x0 + 32 + m] = i16(c3 * _q6(row, ql, qh, 1, m))
+                    wq[x0 + 64 + l] = i16(c4 * _q6(row, ql, qh, 2, l))
+                    wq[x0 + 64 + m] = i16(c5 * _q6(row, ql, qh, 2, m))
+                    wq[x0 + 96 + l] = i16(c6 * _q6(row, ql, qh, 3, l))
+                    wq[x0 + 96 + m] = i16(c7 * _q6(row, ql, qh, 3, m))
+        if kind == 0:
+            for b in range(K // 256):
+                x0 = b * 256
+                d = wsc[b]
+                for l in range(256):
+                    wf[x0 + l] = d * f32(wq[x0 + l])
+        return
+    # Q8_0: four blocks a body (see the module docstring), then the tail
+    nb = row.shape[0] // 34
+    for b in range(nb):
+        wsc[b] = _f16(row, b * 34, tab16)
+    for b in range(0, nb - nb % 4, 4):
+        o = b * 34
+        x0 = b * 32
+        for l in range(32):
+            wq[x0 + l] = i16(np.int8(row[o + 2 + l]))
+            wq[x0 + 32 + l] = i16(np.int8(row[o + 36 + l]))
+            wq[x0 + 64 + l] = i16(np.int8(row[o + 70 + l]))
+            wq[x0 + 96 + l] = i16(np.int8(row[o + 104 + l]))
+    for b in range(nb - nb % 4, nb):
+        for l in range(32):
+            wq[b * 32 + l] = i16(np.int8(row[b * 34 + 2 + l]))
+    if kind == 0:
+        for b in range(0, nb - nb % 4, 4):
+            x0 = b * 32
+            d0, d1, d2, d3 = wsc[b], wsc[b + 1], wsc[b + 2], wsc[b + 3]
+            for l in range(32):
+                wf[x0 + l] = d0 * f32(wq[x0 + l])
+                wf[x0 + 32 + l] = d1 * f32(wq[x0 + 32 + l])
+                wf[x0 + 64 + l] = d2 * f32(wq[x0 + 64 + l])
+                wf[x0 + 96 + l] = d3 * f32(wq[x0 + 96 + l])
+        for b in range(nb - nb % 4, nb):
+            for l in range(32):
+                wf[b * 32 + l] = wsc[b] * f32(wq[b * 32 + l])
+
+
+@njit(**_JIT)
+def mdot(fmt, kind, wq, wsc, wm, wdm, wf, ids, X, XQK, XDK, XBK, XQ0, XD0, res):
+    """``res[i]`` = the decoded row · activation row ``ids[i]`` (in the form ``kind`` reads).
+
+    Four tokens a pass (each weight vector loaded once for four products, four reductions),
+    then the rest one by one; each token's sum is the same expression either way.
+    """
+    n = ids.shape[0]
+    n4 = n - n % 4
+    if kind == 0:
+        for i in range(0, n4, 4):
+            res[i], res[i + 1], res[i + 2], res[i + 3] = _fdot4(wf, X[ids[i]], X[ids[i + 1]], X[ids[i + 2]], X[ids[i + 3]])
+        for i in range(n4, n):
+            res[i] = _fdot1(wf, X[ids[i]])
+        return
+    if kind == 1:
+        mins = fmt == Q4_K or fmt == Q5_K
+        for i in range(0, n4, 4):
+            a, b, c, d = ids[i], ids[i + 1], ids[i + 2], ids[i + 3]
+            res[i], res[i + 1], res[i + 2], res[i + 3] = _kdot4(wq, wsc, XQK[a], XDK[a], XQK[b], XDK[b],
+                                                                XQK[c], XDK[c], XQK[d], XDK[d])
+        for i in range(n4, n):
+            t = ids[i]
+            res[i] = _kdot1(wq, wsc, XQK[t], XDK[t])
+        if mins:
+            for i in range(n):
+                t = ids[i]
+                res[i] -= _kmins(wm, wdm, XDK[t], XBK[t])
+        return
+    for i in range(0, n4, 4):
+        a, b, c, d = ids[i], ids[i + 1], ids[i + 2], ids[i + 3]
+        res[i], res[i + 1], res[i + 2], res[i + 3] = _q0dot4(wq, wsc, XQ0[a], XD0[a], XQ0[b], XD0[b],
+                                                             XQ0[c], XD0[c], XQ0[d], XD0[d])
+    for i in range(n4, n):
+        t = ids[i]
+        res[i] = _q0dot1(wq, wsc, XQ0[t], XD0[t])
+
+
+@njit(inline="always")
+def _fdot1(wf, x):
+    acc = f32(0)
+    for c in range(wf.shape[0]):
+        acc += wf[c] * x[c]
+    return acc
+
+
+@njit(inline="always")
+def _fdot4(wf, x0, x1, x2, x3):
+    a0 = f32(0)
+    a1 = f32(0)
+    a2 = f32(0)
+    a3 = f32(0)
+    for c in range(wf.shape[0]):
+        w = wf[c]
+        a0 += w * x0[c]
+        a1 += w * x1[c]
+        a2 += w * x2[c]
+        a3 += w * x3[c]
+    return a0, a1, a2, a3
+
+
+@njit(inline="always")
+def _kdot1(wq, wsc, xq, xd):
+    acc = f32(0)
+    for b in range(wq.shape[0] // 256):
+        x0 = b * 256
+        s = i32(0)
+        for l in range(256):
+            s = i32(s + i32(wq[x0 + l]) * i32(xq[x0 + l]))
+        acc += xd[b] * wsc[b] * f32(s)
+    return acc
+
+
+@njit(inline="always")
+def _kdot4(wq, wsc, xq0, xd0, xq1, xd1, xq2, xd2, xq3, xd3):
+    a0 = f32(0)
+    a1 = f32(0)
+    a2 = f32(0)
+    a3 = f32(0)
+    for b in range(wq.shape[0] // 256):
+        x0 = b * 256
+        s0 = i32(0)
+        s1 = i32(0)
+        s2 = i32(0)
+        s3 = i32(0)
+        for l in range(256):
+            w = i32(wq[x0 + l])
+            s0 = i32(s0 + w * i32(xq0[x0 + l]))
+            s1 = i32(s1 + w * i32(xq1[x0 + l]))
+            s2 = i32(s2 + w * i32(xq2[x0 + l]))
+            s3 = i32(s3 + w * i32(xq3[x0 + l]))
+        d = wsc[b]
+        a0 += xd0[b] * d * f32(s0)
+        a1 += xd1[b] * d * f32(s1)
+        a2 += xd2[b] * d * f32(s2)
+        a3 += xd3[b] * d * f32(s3)
+    return a0, a1, a2, a3
+
+
+@njit(inline="always")
+def _kmins(wm, wdm, xd, xb):
+    macc = f32(0)
+    for b in range(xb.shape[0] // 8):
+        j = b * 8
+        m = i32(wm[j] * xb[j] + wm[j + 1] * xb[j + 1] + wm[j + 2] * xb[j + 2] + wm[j + 3] * xb[j + 3]
+                + wm[j + 4] * xb[j + 4] + wm[j + 5] * xb[j + 5] + wm[j + 6] * xb[j + 6] + wm[j + 7] * xb[j + 7])
+        macc += xd[b] * wdm[b] * f32(m)
+    return macc
+
+
+@njit(inline="always")
+def _q0dot1(wq, wsc, xq, xd):
+    nb = wq.shape[0] // 32
+    acc = f32(0)
+    for b in range(0, nb - nb % 4, 4):
+        x0 = b * 32
+        s0 = i32(0)
+        s1 = i32(0)
+        s2 = i32(0)
+        s3 = i32(0)
+        for l in range(32):
+            s0 = i32(s0 + i32(wq[x0 + l]) * i32(xq[x0 + l]))
+            s1 = i32(s1 + i32(wq[x0 + 32 + l]) * i32(xq[x0 + 32 + l]))
+            s2 = i32(s2 + i32(wq[x0 + 64 + l]) * i32(xq[x0 + 64 + l]))
+            s3 = i32(s3 + i32(wq[x0 + 96 + l]) * i32(xq[x0 + 96 + l]))
+        acc += (wsc[b] * xd[b] * f32(s0) + wsc[b + 1] * xd[b + 1] * f32(s1)
+                + wsc[b + 2] * xd[b + 2] * f32(s2) + wsc[b + 3] * xd[b + 3] * f32(s3))
+    for b in range(nb - nb % 4, nb):
+        s = i32(0)
+        for l in range(32):
+            s = i32(s + i32(wq[b * 32 + l]) * i32(xq[b * 32 + l]))
+        acc += wsc[b] * xd[b] * f32(s)
+    return acc
+
+
+@njit(inline="always")
+def _q0dot4(wq, wsc, xq0, xd0, xq1, xd1, xq2, xd2, xq3, xd3):
+    """Four tokens, one 32-block at a time: 32-trip bodies of four products (trap 1 of the
+    module docstring: LLVM keeps the loop and vectorizes it), the same block sums as _q0dot1."""
+    nb = wq.shape[0] // 32
+    a0 = f32(0)
+    a1 = f32(0)
+    a2 = f32(0)
+    a3 = f32(0)
+    for b in range(0, nb - nb % 4, 4):
+        x0 = b * 32
+        for t in range(4):
+            xq = xq0 if t == 0 else (xq1 if t == 1 else (xq2 if t == 2 else xq3))
+            xd = xd0 if t == 0 else (xd1 if t == 1 else (xd2 if t == 2 else xd3))
+            s0 = i32(0)
+            s1 = i32(0)
+            s2 = i32(0)
+            s3 = i32(0)
+            for l in range(32):
+                s0 = i32(s0 + i32(wq[x0 + l]) * i32(xq[x0 + l]))
+                s1 = i32(s1 + i32(wq[x0 + 32 + l]) * i32(xq[x0 + 32 + l]))
+                s2 = i32(s2 + i32(wq[x0 + 64 + l]) * i32(xq[x0 + 64 + l]))
+                s3 = i32(s3 + i32(wq[x0 + 96 + l]) * i32(xq[x0 + 96 + l]))
+            v = (wsc[b] * xd[b] * f32(s0) + wsc[b + 1] * xd[b + 1] * f32(s1)
+                 + wsc[b + 2] * xd[b + 2] * f32(s2) + wsc[b + 3] * xd[b + 3] * f32(s3))
+            if t == 0:
+                a0 += v
+            elif t == 1:
+                a1 += v
+            elif t == 2:
+                a2 += v
+            else:
+                a3 += v
+    for b in range(nb - nb % 4, nb):
+        for t in range(4):
+            xq = xq0 if t == 0 else (xq1 if t == 1 else (xq2 if t == 2 else xq3))
+            xd = xd0 if t == 0 else (xd1 if t == 1 else (xd2 if t == 2 else xd3))
+            s = i32(0)
+            for l in range(32):
+                s = i32(s + i32(wq[b * 32 + l]) * i32(xq[b * 32 + l]))
+            v = wsc[b] * xd[b] * f32(s)
+            if t == 0:
+                a0 += v
+            elif t == 1:
+                a1 += v
+            elif t == 2:
+                a2 += v
+            else:
+                a3 += v
+    return a0, a1, a2, a3

@@ -3,12 +3,15 @@
 Contract. ``host_moe_swiglu(x, experts, weights, on_host, layer)`` returns float32 ``[N, D]``:
 for each token n, the sum over j with ``on_host[experts[n, j]]`` of
 ``weights[n, j] * down_e(silu(gate_e(x_n)) * up_e(x_n))`` (e = experts[n, j]); a token with no
-host pair gets exact zeros. The weights are never dequantized as a whole: each row is read from
-its blocks once per (row, token) inside one Numba call, in two parallel phases: gate+up →
-hidden vector per (token, expert) pair, over (expert, block of F rows) items; then down and the
-weighted sum, over blocks of D rows of the output (all experts in each). Every output element
-and every dot product belongs to one thread and is summed in a fixed order, so the result
-does not depend on the thread count.
+host pair gets exact zeros. The weights are never dequantized as a whole, inside one Numba
+call, in two parallel phases: gate+up → hidden vector per (token, expert) pair, over (expert,
+block of F rows) items; then down and the weighted sum, over blocks of D rows of the output (all
+experts in each). An expert with few tokens (decode) has each (row, token) dot read the row's
+blocks itself; one with at least ``multi_min`` tokens (prefill) decodes each row once into a
+small buffer (``blocks.decode_row``: int16 scale × quant, or float32 values) and dots that with
+all its tokens, four at a time (``blocks.mdot``). Every output element and every dot product
+belongs to one thread and is summed in a fixed order, so the result does not depend on the
+thread count.
 
 Activations (``act``): ``"f32"`` multiplies float32 activations; ``"q8"`` first rounds them to
 8 bits as ggml's CPU backend does (Q8_K for K-quants, Q8_0 for Q8_0, bit-equal with
@@ -32,9 +35,36 @@ float32 sum measured in the same run (30 GB/s with 2 threads, 28 with 1):
     Q8_0              8   14.8  / 18.1  (0.60)    7.03 / 10.5  (0.37)
 
 q8 was faster in every case (1.1-1.45x), hence ``DEFAULT_ACT = "q8"``. The kernels are
-compute-bound on this machine (one core runs Q4_K_M at ~6 GB/s, Q8_0 at ~11-20). N = 64 runs at
-1.6-4.5 GB/s of distinct bytes: each (token, expert) pair reads its rows again from cache and
-pays the full dot-product cost, since the kernel does no multi-token register blocking yet.
+compute-bound on this machine (one core runs Q4_K_M at ~6 GB/s, Q8_0 at ~11-20). N = 64 ran at
+1.6-4.5 GB/s of distinct bytes when every (token, expert) pair paid the full dot-product cost;
+the multi-token path (decode a row once, dot it with the expert's tokens) is what prefill uses
+now: see the 2026-12 before/after numbers under "Multi-token rows" below.
+
+Multi-token rows (prefill). An expert with ``multi_min`` tokens or more (default 4; 8 for Q8_0
+weights under q8, whose per-token dot reads the int8 blocks as cheaply as a decoded buffer)
+decodes each row once (``blocks.decode_row``) and dots the buffer with its tokens, four a pass
+(``blocks.mdot``: one weight load for four products; vpdpwssd on ymm for the integer kinds,
+vfmadd231ps on zmm for f32, checked with ``host_bench.py --asm``). The integer block sums are
+the per-token kernels' own, so the q8 rounding count is unchanged (K / 32 + 16); under f32 the
+dequantized element ``d (s q) - dmin m`` adds at most 2 roundings (relative to |s q d| + |min|)
+to a K-term dot, inside ``reference.dot_rounds``' K + 64. One (token, expert) pair is one dot
+product on one thread either way, so the thread count still does not change the result; the
+path taken (below or above ``multi_min``) may change the last bits. Measured 2026-12 with the
+old kernel (commit 687035f) and the new one interleaved call by call (Qwen3-30B-A3B shapes as
+above, all experts on the host, median ms, 2 threads; ~4 / ~16 tokens an expert at N = 64 / 256):
+
+    weights  N      f32 old → new          q8 old → new
+    Q4_K_M   1      3.05 →  3.11           2.81 →  2.91   (same code path: noise)
+    Q4_K_M   8      25.9 →  25.6           22.7 →  22.6
+    Q4_K_M   64     228  →  207  (1.10x)   185  →  176  (1.05x)
+    Q4_K_M   256    686  →  388  (1.77x)   568  →  390  (1.46x)
+    Q8_0     1      3.35 →  3.34           3.10 →  3.10
+    Q8_0     64     142  →  138            120  →  120   (path off: < 8 tokens)
+    Q8_0     256    520  →  351  (1.48x)   419  →  341  (1.23x)
+
+One thread: Q4_K_M N = 256 1.37-1.65x, N = 64 1.04-1.24x; N = 1, 2, 8 within noise (0.94-1.09x).
+Per dot (one core, one 2048-column row, T tokens), the decoded path costs about 0.6x the
+per-token dot at T = 32 and breaks even near T = 2-4 (Q8_0 q8: T = 4-8).
 
 Threads: Numba's OpenMP layer spins at the end of each parallel region. When another process
 holds a core, a 2-thread call took 45-56 ms instead of 3-5 (a thread descheduled at a barrier);
@@ -61,6 +91,11 @@ ACTS = ("f32", "q8")
 DEFAULT_ACT = "q8"
 ROWS_PER_ITEM = 16  # rows of one expert per parallel work item
 CHUNKSIZE = 0  # see host_moe_swiglu (Numba's default, static)
+# An expert with at least this many tokens decodes each row once for all of them (see
+# host_moe_swiglu); Q8_0 rows against Q8_0 activations are cheap to dot straight from the
+# blocks, so they switch later.
+MULTI_MIN = 4
+MULTI_MIN_Q8_0 = 8
 
 _FLOAT_DTYPES = {T.F32: np.float32, T.F16: np.float16, T.BF16: np.uint16}
 
@@ -158,7 +193,8 @@ class HostExpertLayer:
 
 def host_moe_swiglu(x: np.ndarray, experts: np.ndarray, weights: np.ndarray, on_host: np.ndarray,
                     layer: HostExpertLayer, *, act: str | None = None,
-                    rows_per_item: int = ROWS_PER_ITEM, chunksize: int = CHUNKSIZE) -> np.ndarray:
+                    rows_per_item: int = ROWS_PER_ITEM, chunksize: int = CHUNKSIZE,
+                    multi_min: int | None = None) -> np.ndarray:
     """Weighted SwiGLU sum of the (token, expert) pairs whose expert is on the host.
 
     Args:
@@ -172,6 +208,11 @@ def host_moe_swiglu(x: np.ndarray, experts: np.ndarray, weights: np.ndarray, on_
       chunksize: work items a thread takes at a time (``numba.set_parallel_chunksize``, for this
         call only); 0 gives each thread one equal contiguous share up front (static), > 0 hands
         chunks out as threads free up (dynamic; see the module docstring on threads).
+      multi_min: an expert with at least this many tokens decodes each of its rows once into a
+        small buffer and dots it with all of them (``blocks.decode_row`` / ``blocks.mdot``);
+        fewer, and each (row, token) dot reads the blocks itself. Default: ``MULTI_MIN``
+        (``MULTI_MIN_Q8_0`` for Q8_0 weights under ``act="q8"``), per phase; 1 forces the
+        multi-token path everywhere.
     Returns:
       float32 ``[N, D]``.
     """
@@ -194,12 +235,17 @@ def host_moe_swiglu(x: np.ndarray, experts: np.ndarray, weights: np.ndarray, on_
     if experts.size and (experts.min() < 0 or experts.max() >= E):
         raise ValueError(f"host_moe_swiglu: expert ids must be in [0, {E}), got [{experts.min()}, {experts.max()}]")
     x, experts, weights, on_host = (_readonly(a) for a in (x, experts, weights, on_host))
+    fmts = [KERNEL_FORMATS[t.qtype] for t in (layer.gate, layer.up, layer.down)]
+    if multi_min is None:
+        mins = [MULTI_MIN_Q8_0 if (f == B.Q8_0 and act == "q8") else MULTI_MIN for f in fmts]
+        mmin1, mmin2 = max(mins[0], mins[1]), mins[2]
+    else:
+        mmin1 = mmin2 = max(1, int(multi_min))
     before = numba.set_parallel_chunksize(int(chunksize))  # this thread's setting: restored below
     try:
         return _moe_kernel(x, experts, weights, on_host, layer.gate.raw, layer.up.raw, layer.down.raw,
-                           KERNEL_FORMATS[layer.gate.qtype], KERNEL_FORMATS[layer.up.qtype],
-                           KERNEL_FORMATS[layer.down.qtype], act == "q8", _TAB16, _TABBF, max(1, int(rows_per_item)),
-                           numba.get_num_threads())
+                           fmts[0], fmts[1], fmts[2], act == "q8", _TAB16, _TABBF, max(1, int(rows_per_item)),
+                           numba.get_num_threads(), mmin1, mmin2)
     finally:
         numba.set_parallel_chunksize(before)
 
@@ -266,6 +312,13 @@ def _row_dot(fmt, q8, row, t, X, XS, XQK, XDK, XBK, XQ0, XD0, tab16, tabbf):
 
 
 @njit(cache=True, nogil=True)
+def _row_buffers(K):
+    # one decoded row (blocks.decode_row): int16 weights, scales, mins, dmins, float32 values
+    return (np.empty(K, np.int16), np.empty(K // 32 + 1, np.float32), np.empty(K // 32 + 1, np.int16),
+            np.empty(K // 256 + 1, np.float32), np.empty(K, np.float32))
+
+
+@njit(cache=True, nogil=True)
 def _act_buffers(M, K):
     # float32 sums per 32 | Q8_K quants, scales, sums per 32 | Q8_0 quants, scales (quants as int16)
     return (np.empty((M, K // 32), np.float32), np.empty((M, K), np.int16), np.empty((M, K // 256 + 1), np.float32),
@@ -273,7 +326,7 @@ def _act_buffers(M, K):
 
 
 @njit(parallel=True, fastmath=True, cache=True, nogil=True)
-def _moe_kernel(x, experts, weights, on_host, gw, uw, dw, gfmt, ufmt, dfmt, q8, tab16, tabbf, rpi, nthreads):
+def _moe_kernel(x, experts, weights, on_host, gw, uw, dw, gfmt, ufmt, dfmt, q8, tab16, tabbf, rpi, nthreads, mmin1, mmin2):
     N, D = x.shape
     k = experts.shape[1]
     E, F = gw.shape[0], gw.shape[1]
@@ -303,9 +356,12 @@ def _moe_kernel(x, experts, weights, on_host, gw, uw, dw, gfmt, ufmt, dfmt, q8, 
                 pair_tok[p] = n
                 pair_w[p] = weights[n, j]
     G = 0
+    maxc = 0
     for e in range(E):
         if start[e + 1] > start[e]:
             G += 1
+            maxc = max(maxc, start[e + 1] - start[e])
+    pids = np.arange(P)
     gexp = np.empty(G, np.int64)
     g = 0
     for e in range(E):
@@ -323,14 +379,29 @@ def _moe_kernel(x, experts, weights, on_host, gw, uw, dw, gfmt, ufmt, dfmt, q8, 
     for it in prange(G * nrb):
         e = gexp[it // nrb]
         r0 = (it % nrb) * rpi
-        for r in range(r0, min(F, r0 + rpi)):
-            grow = gw[e, r]
-            urow = uw[e, r]
-            for p in range(start[e], start[e + 1]):
-                t = pair_tok[p]
-                a = _row_dot(gfmt, q8, grow, t, x, XS, XQK, XDK, XBK, XQ0, XD0, tab16, tabbf)
-                b = _row_dot(ufmt, q8, urow, t, x, XS, XQK, XDK, XBK, XQ0, XD0, tab16, tabbf)
-                H[p, r] = a / (np.float32(1.0) + np.exp(-a)) * b
+        p0, p1 = start[e], start[e + 1]
+        if p1 - p0 < mmin1:  # few tokens: each (row, token) dot reads the row's blocks itself
+            for r in range(r0, min(F, r0 + rpi)):
+                grow = gw[e, r]
+                urow = uw[e, r]
+                for p in range(p0, p1):
+                    t = pair_tok[p]
+                    a = _row_dot(gfmt, q8, grow, t, x, XS, XQK, XDK, XBK, XQ0, XD0, tab16, tabbf)
+                    b = _row_dot(ufmt, q8, urow, t, x, XS, XQK, XDK, XBK, XQ0, XD0, tab16, tabbf)
+                    H[p, r] = a / (np.float32(1.0) + np.exp(-a)) * b
+        else:  # several tokens: decode each row once, then dot it with every token
+            wq, wsc, wm, wdm, wf = _row_buffers(D)
+            ga = np.empty(p1 - p0, np.float32)
+            ub = np.empty(p1 - p0, np.float32)
+            ids = pair_tok[p0:p1]
+            for r in range(r0, min(F, r0 + rpi)):
+                B.decode_row(gfmt, ka, gw[e, r], wq, wsc, wm, wdm, wf, tab16, tabbf)
+                B.mdot(gfmt, ka, wq, wsc, wm, wdm, wf, ids, x, XQK, XDK, XBK, XQ0, XD0, ga)
+                B.decode_row(ufmt, kb, uw[e, r], wq, wsc, wm, wdm, wf, tab16, tabbf)
+                B.mdot(ufmt, kb, wq, wsc, wm, wdm, wf, ids, x, XQK, XDK, XBK, XQ0, XD0, ub)
+                for i in range(p1 - p0):
+                    a = ga[i]
+                    H[p0 + i, r] = a / (np.float32(1.0) + np.exp(-a)) * ub[i]
 
     # Phase 2: out[t, d] += w_p (down_e[d] · H[p]), items = blocks of D rows across all experts:
     # an item owns those columns of out for every token, so no element has two writers, and each
@@ -343,11 +414,22 @@ def _moe_kernel(x, experts, weights, on_host, gw, uw, dw, gfmt, ufmt, dfmt, q8, 
     nrb = (D + rpi2 - 1) // rpi2
     for it in prange(nrb):
         r0 = it * rpi2
+        wq, wsc, wm, wdm, wf = _row_buffers(F if maxc >= mmin2 else 0)
+        res = np.empty(maxc, np.float32)
         for g in range(G):
             e = gexp[g]
-            for r in range(r0, min(D, r0 + rpi2)):
-                drow = dw[e, r]
-                for p in range(start[e], start[e + 1]):
-                    y = _row_dot(dfmt, q8, drow, p, H, HS, HQK, HDK, HBK, HQ0, HD0, tab16, tabbf)
-                    out[pair_tok[p], r] += pair_w[p] * y
+            p0, p1 = start[e], start[e + 1]
+            if p1 - p0 < mmin2:
+                for r in range(r0, min(D, r0 + rpi2)):
+                    drow = dw[e, r]
+                    for p in range(p0, p1):
+                        y = _row_dot(dfmt, q8, drow, p, H, HS, HQK, HDK, HBK, HQ0, HD0, tab16, tabbf)
+                        out[pair_tok[p], r] += pair_w[p] * y
+            else:
+                ids = pids[p0:p1]
+                for r in range(r0, min(D, r0 + rpi2)):
+                    B.decode_row(dfmt, kd, dw[e, r], wq, wsc, wm, wdm, wf, tab16, tabbf)
+                    B.mdot(dfmt, kd, wq, wsc, wm, wdm, wf, ids, H, HQK, HDK, HBK, HQ0, HD0, res)
+                    for i in range(p1 - p0):
+                        out[pair_tok[p0 + i], r] += pair_w[p0 + i] * res[i]
     return out
