@@ -96,6 +96,28 @@ def test_errors_are_one_line(argv, message, model_path, capsys):
     assert err.startswith("error:") and message in err and "\n" not in err
 
 
+def test_residency_and_routing_trace(model_path, tmp_path):
+    """--place/--residency/--record-routing: the same greedy tokens as all on the card, placement
+    numbers in the record, and a trace holding every real token of every step."""
+    from bloomery_jax.placement.trace import DECODE, PREFILL, load_trace
+
+    argv = ["--model", model_path, "--prompt", "The quick brown fox", "-n", "10", "--temperature", "0", "--json",
+            *COMMON]
+    card = generate.run(argv, out=io.StringIO(), err=io.StringIO())
+    trace_path = tmp_path / "trace.npz"
+    rec = generate.run([*argv, "--place", "card-experts=2", "--residency", "lfu", "--record-routing", str(trace_path)],
+                       out=io.StringIO(), err=io.StringIO())
+    assert rec["tokens"] == card["tokens"]
+    stats = rec["placement"]
+    assert stats["rule"] == "card-experts=2" and stats["policy"] == "lfu" and stats["swaps_total"] > 0
+    assert 0 < stats["card_served_fraction"] <= 1 and stats["host_calls"] > 0
+    trace = load_trace(trace_path)
+    # the prompt in one prefill chunk, then one decode step per generated token but the last
+    assert trace.tokens(PREFILL) == len(rec["prompt_tokens"])
+    assert trace.tokens(DECODE) == len(rec["tokens"]) - 1
+    assert (trace.n_layers, trace.n_experts) == (SHAPE["n_layers"], SHAPE["n_experts"])
+
+
 def test_unsupported_architecture_is_named(tmp_path, capsys, monkeypatch):
     import gguf
 
