@@ -30,6 +30,7 @@ import numpy as np
 from .cli_options import PLACE_HELP, WEIGHTS_HELP, add_residency_args
 from .engine.steps import bucket_for
 from .errors import BloomeryError, ConfigError
+from .settings import WEIGHT_FORMS
 
 
 class _Parser(argparse.ArgumentParser):
@@ -59,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-dtype", default="float32", help="float32 | bfloat16 | float16")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompt tokens")
     p.add_argument("--place", default="card", help=PLACE_HELP)
-    p.add_argument("--weights", choices=("blocks", "f32", "auto"), default="auto", help=WEIGHTS_HELP)
+    p.add_argument("--weights", choices=WEIGHT_FORMS, default="auto", help=WEIGHTS_HELP)
     add_residency_args(p)
     p.add_argument("--json", action="store_true", help="one JSON record per line instead of a table")
     p.add_argument("--no-compile-cache", action="store_true", help="do not use the persistent compilation cache")
@@ -79,17 +80,20 @@ def _timed_prefill(engine, seqs) -> float:
     return time.perf_counter() - t0
 
 
-def _timed_decode(engine, seqs, n: int) -> float:
+def _timed_decode(engine, seqs, n: int) -> tuple[float, list[tuple[int, int]]]:
+    """Seconds of ``n`` decode steps, and each step's (card-served, routed) expert calls."""
+    steps = []
     t0 = time.perf_counter()
     for _ in range(n):
+        before = engine.card_calls, engine.routed_calls
         engine.decode(seqs)  # reads the sampled tokens back: each step is synchronous
-    return time.perf_counter() - t0
+        steps.append((engine.card_calls - before[0], engine.routed_calls - before[1]))
+    return time.perf_counter() - t0, steps
 
 
-def _served(steps: list[tuple[int, int]]) -> float | None:
+def _served(steps: list[tuple[int, int]]) -> float:
     """Card-served fraction of the routed calls of some decode steps."""
-    routed = sum(r for _, r in steps)
-    return sum(c for c, _ in steps) / routed if routed else None
+    return sum(c for c, _ in steps) / sum(r for _, r in steps)
 
 
 def _fill_depth(engine, seqs, depth: int) -> None:
@@ -128,12 +132,10 @@ def run_parallel(model, args, parallel: int, progress, rng) -> tuple[list[dict],
         else:
             _timed_prefill(engine, seqs)
         if n > 0:
-            first = len(engine.decode_served)
-            t = _timed_decode(engine, seqs, n)
+            t, steps = _timed_decode(engine, seqs, n)
             if rep:
                 tg.append(parallel * n / t)
-                steps = engine.decode_served[first:]
-                if steps:  # host experts: how much of this decode the card served, early and late
+                if engine.routed_calls:  # host experts: how much of this decode the card served, early and late
                     edges.append((_served(steps[:16]), _served(steps[-16:])))
         for s in seqs:
             engine.release(s)

@@ -21,6 +21,7 @@ import sys
 
 from .cli_options import PLACE_HELP, WEIGHTS_HELP, add_residency_args
 from .errors import BloomeryError, ConfigError
+from .settings import WEIGHT_FORMS
 
 
 class _Parser(argparse.ArgumentParser):
@@ -47,7 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ctx", type=int, help="positions in the KV cache (default: prompt + n, rounded up)")
     p.add_argument("--ubatch", type=int, default=512, help="prompt tokens per prefill step (<= 4096)")
     p.add_argument("--place", default="card", help=PLACE_HELP)
-    p.add_argument("--weights", choices=("blocks", "f32", "auto"), default="auto", help=WEIGHTS_HELP)
+    p.add_argument("--weights", choices=WEIGHT_FORMS, default="auto", help=WEIGHTS_HELP)
     add_residency_args(p)
     p.add_argument("--json", action="store_true", help="print token ids and timings as JSON")
     p.add_argument("--no-compile-cache", action="store_true", help="do not use the persistent compilation cache")

@@ -18,7 +18,7 @@ from .errors import ConfigError
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 KERNELS = ("reference", "pallas")
 KV_DTYPES = ("float32", "bfloat16", "float16")
-WEIGHT_FORMS = ("blocks", "f32", "auto")  # as models.loader.WEIGHT_FORMS (not imported: no JAX here)
+WEIGHT_FORMS = ("blocks", "f32", "auto")  # card weights (models.loader.load_model)
 
 
 @gin.configurable

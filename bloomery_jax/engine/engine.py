@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..errors import ConfigError
+from ..placement.table import card_calls
 from . import cache as cache_ops
 from . import sampling
 from .cache import SlotCache
@@ -101,7 +102,6 @@ class Engine:
         self.residency = residency
         self.routing_trace = routing_trace
         self.card_calls = self.routed_calls = 0  # routed (token, expert) calls, and those the card served
-        self.decode_served: list[tuple[int, int]] = []  # (card, routed) calls of each decode step
         self.n_vocab = int(cfg.n_vocab)
         self.max_context = max_context
         self.ubatch = ubatch
@@ -236,14 +236,9 @@ class Engine:
             return
         experts = np.asarray(self.last_routing.experts)  # [L, B, T, k]
         if hybrid:
-            mask = np.asarray(mask, bool)
-            chosen = experts[:, mask]  # [L, N, k]
-            slots = np.take_along_axis(np.asarray(self.placement.slot_of), chosen.reshape(len(chosen), -1), axis=1)
-            card, routed = int((slots >= 0).sum()), int(slots.size)
+            card, routed = card_calls(self.placement.slot_of, experts[:, np.asarray(mask, bool)])  # real tokens
             self.card_calls += card
             self.routed_calls += routed
-            if seq is None:
-                self.decode_served.append((card, routed))
         if self.routing_trace is not None:
             self.routing_trace.append(experts, "prefill" if seq is not None else "decode", mask)
         if self.residency is not None:

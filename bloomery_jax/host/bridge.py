@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .swiglu import HostExpertLayer, host_moe_swiglu  # noqa: F401
+from .swiglu import HostExpertLayer, host_moe_swiglu
 
 
 @dataclasses.dataclass

@@ -22,6 +22,7 @@ from gguf import GGMLQuantizationType as T
 from ..errors import ConfigError, GGUFError
 from ..gguf_file import GGUFFile
 from ..quant import SUPPORTED_TYPES, QTensor
+from ..settings import WEIGHT_FORMS
 from .registry import module_for_file
 from .spec import check_tensors
 
@@ -57,7 +58,6 @@ def check_types(gf: GGUFFile) -> None:
                             tensor=info.name)
 
 
-WEIGHT_FORMS = ("blocks", "f32", "auto")
 AUTO_F32_BYTES = 2 << 30  # "auto" keeps float32 copies of card weights up to this size
 
 

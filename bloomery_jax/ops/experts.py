@@ -109,5 +109,5 @@ def placed_moe_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate
         out = moe_swiglu(x, jnp.where(on_card, slots, 0), jnp.where(on_card, weights, 0.0), gate, up, down,
                          act_rounding)
     if placement.host is not None and placement.host.has_layer(layer):
-        out = out + placement.host.moe(layer, x.astype(jnp.float32), experts, weights, slot_of < 0)
+        out = out + placement.host.moe(layer, x, experts, weights, slot_of < 0)
     return out

@@ -95,7 +95,7 @@ class LiveResidency:
         layers = placement.host.layers
         expert_bytes = np.zeros(np.asarray(placement.slot_of).shape[0], np.int64)
         for i, hl in layers.items():
-            expert_bytes[i] = sum(getattr(hl, w).data[0].nbytes for w in EXPERT_TENSORS)
+            expert_bytes[i] = hl.expert_bytes()
         controller = ResidencyController(np.asarray(placement.slot_of), policy, expert_bytes=expert_bytes)
         return cls(controller, placement.host, **kwargs)
 

@@ -38,20 +38,22 @@ def slot_table(on_card: np.ndarray) -> np.ndarray:
     return np.where(on_card, slots, -1).astype(np.int32)
 
 
-def card_fraction(slot_of: np.ndarray, experts: np.ndarray) -> float:
-    """Fraction of routed (token, expert) calls that the card serves.
+def card_calls(slot_of: np.ndarray, experts: np.ndarray) -> tuple[int, int]:
+    """(card-served, routed) (token, expert) calls of some routing.
 
     Args:
       slot_of: int32 ``[L, E]``.
-      experts: int ``[L, ..., k]`` routing of a step (``Routing.experts``).
+      experts: int ``[L, ..., k]`` (``Routing.experts``, or only its real tokens ``[L, N, k]``).
     """
     slot_of = np.asarray(slot_of)
-    experts = np.asarray(experts)
-    L = slot_of.shape[0]
-    chosen = experts.reshape(L, -1)  # [L, pairs]
-    if chosen.size == 0:
-        return 1.0
-    return float(np.mean(np.take_along_axis(slot_of, chosen, axis=1) >= 0))
+    chosen = np.asarray(experts).reshape(slot_of.shape[0], -1)  # [L, pairs]
+    return int((np.take_along_axis(slot_of, chosen, axis=1) >= 0).sum()), int(chosen.size)
+
+
+def card_fraction(slot_of: np.ndarray, experts: np.ndarray) -> float:
+    """Fraction of routed (token, expert) calls that the card serves (1.0 for none)."""
+    card, routed = card_calls(slot_of, experts)
+    return card / routed if routed else 1.0
 
 
 def describe_placement(model) -> str:
