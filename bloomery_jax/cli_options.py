@@ -11,6 +11,10 @@ WEIGHTS_HELP = ("card weights as the file's blocks (dequantized in every step), 
                 "(default auto)")
 
 
+KERNELS_HELP = ("card matmuls: reference (jnp dequantize + matmul), pallas (GPU decode kernels on repacked weights) "
+                "or auto: pallas on a GPU (default auto)")
+
+
 def add_residency_args(parser, record_routing: bool = True) -> None:
     """The adaptive-residency options shared by generate, bench and serve."""
     parser.add_argument("--residency", choices=("off", "lfu", "lru"), default="off",

@@ -16,7 +16,7 @@ import gin
 from .errors import ConfigError
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
-KERNELS = ("reference", "pallas")
+KERNELS = ("reference", "pallas", "auto")  # auto: pallas on a GPU (models.loader.resolve_kernels)
 KV_DTYPES = ("float32", "bfloat16", "float16")
 WEIGHT_FORMS = ("blocks", "f32", "auto")  # card weights (models.loader.load_model)
 
@@ -27,7 +27,7 @@ class RuntimeSettings:
     max_context: int = 4096  # tokens per sequence in the KV cache
     ubatch: int = 512  # prefill tokens per step
     parallel: int = 1  # sequences decoded together
-    kernels: str = "reference"  # reference: jnp dequantize+matmul; pallas: GPU kernels
+    kernels: str = "auto"  # reference: jnp dequantize+matmul; pallas: GPU kernels; auto: pallas on a GPU
     placement: str = "card"  # placement rule string (see bloomery_jax.placement)
     kv_dtype: str = "float32"
     weights: str = "auto"  # card weights: blocks | f32 | auto (models.loader.load_model)

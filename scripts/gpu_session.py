@@ -5,7 +5,8 @@ warm, so /tmp/bloomery keeps the synthesized model between them):
 
   oracle     HERE, on the CPU with llama-cpp-python: synthetic qwen3moe files (F32, and the F32
              twin of a Q4_K_M file; three shapes) and llama.cpp's logits over 500 tokens, into
-             .baseline/oracle/ (git-ignored; carry it).
+             .baseline/oracle/ (git-ignored; carry it). The files themselves are rebuilt there
+             from their seeds (checked by SHA-256): they are too large to carry.
   precision  THERE: our logits on the GPU under jax.default_matmul_precision("highest") against
              those llama.cpp logits: max |dlogit| / std at positions before a router near-tie
              (the CPU test's bound is 1e-3).
@@ -72,26 +73,47 @@ def write_json(out: Path, name: str, data) -> None:
 
 # --- precision (issue 3) ---------------------------------------------------------------------
 
+def oracle_file(name: str, kind: str, directory: Path) -> Path:
+    """Write the oracle model ``name``-``kind`` (f32 or twin) into ``directory``; the same bytes
+    every time (every value is a function of the seed), so only its logits need to travel."""
+    from bloomery_jax.synth import synthesize
+
+    path = directory / f"{name}-{kind}.gguf"
+    if not path.exists():
+        directory.mkdir(parents=True, exist_ok=True)
+        shape = ORACLE_SHAPES[name]
+        if kind == "f32":
+            synthesize(path, qtype="F32", seed=1, **shape)
+        else:
+            synthesize(directory / f"{name}-q4km.gguf", qtype="Q4_K_M", seed=2, twin_path=path, **shape)
+            (directory / f"{name}-q4km.gguf").unlink()
+    return path
+
+
+def sha256(path: Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def stage_oracle(args) -> None:
     import llama_cpp
-
-    from bloomery_jax.synth import synthesize
 
     ORACLE.mkdir(parents=True, exist_ok=True)
     for name, shape in ORACLE_SHAPES.items():
         for kind in ("f32", "twin"):
-            path = ORACLE / f"{name}-{kind}.gguf"
-            if kind == "f32":
-                synthesize(path, qtype="F32", seed=1, **shape)
-            else:
-                synthesize(ORACLE / f"{name}-q4km.gguf", qtype="Q4_K_M", seed=2, twin_path=path, **shape)
-                (ORACLE / f"{name}-q4km.gguf").unlink()
+            path = oracle_file(name, kind, WORK / "oracle")
             tokens = np.random.default_rng(7).integers(0, shape["n_vocab"], N_TOKENS).astype(np.int32)
             llm = llama_cpp.Llama(model_path=str(path), n_ctx=512, logits_all=True, n_threads=2, verbose=False,
                                   type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32)
             llm.eval(tokens.tolist())
             logits = np.array(llm.scores[:N_TOKENS], np.float32)
-            np.savez_compressed(path.with_suffix(".llama.npz"), tokens=tokens, logits=logits)
+            np.savez_compressed(ORACLE / f"{name}-{kind}.llama.npz", tokens=tokens, logits=logits,
+                                sha256=sha256(path))
             log(f"oracle {path.name}: {logits.shape}")
 
 
@@ -104,8 +126,11 @@ def stage_precision(args) -> None:
 
     results = []
     for ref_file in sorted(ORACLE.glob("*.llama.npz")):
-        path = ref_file.with_name(ref_file.name.replace(".llama.npz", ".gguf"))
+        name, kind = ref_file.name.removesuffix(".llama.npz").rsplit("-", 1)
+        path = oracle_file(name, kind, WORK / "oracle")
         ref = np.load(ref_file)
+        if str(ref["sha256"]) != sha256(path):
+            raise SystemExit(f"{path} differs from the file llama.cpp ran (numpy or synth changed)")
         tokens, theirs = ref["tokens"], ref["logits"]
         model = load_model(path)
         with jax.default_matmul_precision("highest"):

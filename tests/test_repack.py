@@ -100,3 +100,24 @@ def test_bad_input_raises(args, match):
 def test_bad_layout_raises():
     with pytest.raises(ValueError, match="layout 'cols' is not one of"):
         repack(np.zeros((1, 144), np.uint8), T.Q4_K, (1, 256), "cols")
+
+
+@pytest.mark.parametrize("qtype", PACKABLE, ids=lambda t: t.name)
+def test_device_repack_equals_numpy(qtype):
+    # the load-time path for large models repacks on the device; it must give the same words
+    import jax.numpy as jnp
+
+    from bloomery_jax.quant.repack import repack_on_device
+
+    rng = np.random.default_rng(int(qtype) + 100)
+    for shape, extremes in [((8, 512), True), ((3, 16, 256), False)]:
+        raw = random_raw(qtype, shape, rng, extremes)
+        want, got = repack(raw, qtype, shape), repack_on_device(jnp.asarray(raw), qtype, shape)
+        assert got.shape == want.shape and got.qtype == want.qtype
+        for field in ("qs", "d", "sc", "qh"):
+            a, b = getattr(want, field), getattr(got, field)
+            assert (a is None) == (b is None), field
+            if a is not None:
+                a, b = np.asarray(a), np.asarray(b)
+                assert a.dtype == b.dtype and a.shape == b.shape, (field, a.dtype, b.dtype, a.shape, b.shape)
+                assert (a.view(np.uint8) == b.view(np.uint8)).all(), field

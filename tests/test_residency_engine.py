@@ -44,9 +44,9 @@ def path(synth_model):
     return synth_model(qtype="Q8_0", seed=4, route_skew=3.0, **SHAPE)[0]
 
 
-def run(path, residency: str):
+def run(path, residency: str, kernels: str = "reference"):
     """Greedy tokens of two prompts decoded together, and the per-step card-served fractions."""
-    model = load_model(path, place=FirstPerLayer(SHAPE["n_experts"] // 4))
+    model = load_model(path, place=FirstPerLayer(SHAPE["n_experts"] // 4), kernels=kernels)
     live = None
     if residency != "off":
         live = LiveResidency.for_model(model, LFU(decay=0.9, hysteresis=1.0), prompt_streaming=residency == "stream")
@@ -84,3 +84,11 @@ def test_tokens_identical_with_and_without_residency(path):
 def test_residency_needs_host_experts(path):
     with pytest.raises(ValueError, match="host experts"):
         LiveResidency.for_model(load_model(path))
+
+
+def test_residency_with_pallas_kernels(path):
+    """Seating into repacked card slots (repacked on the device as they arrive) keeps the tokens."""
+    tokens_off, _, _ = run(path, "off")
+    tokens_pallas, _, live = run(path, "stream", kernels="pallas")
+    assert live.controller.swaps_total > 0
+    assert tokens_pallas == tokens_off

@@ -22,7 +22,7 @@ from gguf import GGMLQuantizationType as T
 from ..errors import ConfigError, GGUFError
 from ..gguf_file import GGUFFile
 from ..quant import SUPPORTED_TYPES, QTensor
-from ..settings import WEIGHT_FORMS
+from ..settings import KERNELS, WEIGHT_FORMS
 from .registry import module_for_file
 from .spec import check_tensors
 
@@ -62,7 +62,8 @@ AUTO_F32_BYTES = 2 << 30  # "auto" keeps float32 copies of card weights up to th
 
 
 def load_model(path: str | os.PathLike, *, device=None, place="card", reserve_bytes: int = 0,
-               host_threads: int | None = None, host_act: str | None = None, weights: str = "blocks") -> Model:
+               host_threads: int | None = None, host_act: str | None = None, weights: str = "blocks",
+               kernels: str = "reference") -> Model:
     """Open ``path``, check it against its architecture, and put its tensors on ``device``.
 
     Args:
@@ -77,6 +78,10 @@ def load_model(path: str | os.PathLike, *, device=None, place="card", reserve_by
         copies (the same values, dequantized once at load: the reference path then skips the
         per-step dequantization; 4-8x the memory), or "auto": f32 when those copies take at
         most AUTO_F32_BYTES and no expert runs on the host, else blocks.
+      kernels: "reference" (jnp dequantize + matmul), "pallas" (card matmul weights repacked
+        on the device for the Pallas decode kernels; ``weights`` must then be blocks or auto)
+        or "auto" (pallas on a GPU, else reference). Weights no kernel can serve are listed
+        on stderr and run the reference path.
     Returns:
       the Model.
     """
@@ -107,10 +112,54 @@ def load_model(path: str | os.PathLike, *, device=None, place="card", reserve_by
     if expert_layer:
         bridge = _host_bridge(gf.path, host_tensors, host_threads, host_act) if host_tensors else None
         placement = Placement(jax.device_put(slot_table(on_card), device), bridge)
-    if _want_f32(weights, params, bool(host_tensors)):
+    if resolve_kernels(kernels, device) == "pallas":
+        if weights == "f32":
+            raise ConfigError("weights='f32' and kernels='pallas' exclude each other: the kernels read blocks")
+        params = _pack_for_kernels(params, specs)
+    elif _want_f32(weights, params, bool(host_tensors)):
         # Exactly the values the per-step dequantization forms (quant.dequantize is bit-exact).
         params = jax.jit(lambda ps: {k: q.dequantize() for k, q in ps.items()})(params)
     return Model(gguf=gf, cfg=cfg, params=params, module=module, placement=placement)
+
+
+def resolve_kernels(kernels: str, device=None) -> str:
+    """"reference" or "pallas" for a ``kernels`` setting ("auto": pallas on a GPU)."""
+    if kernels not in KERNELS:
+        raise ConfigError(f"kernels={kernels!r}: must be one of {', '.join(KERNELS)}")
+    if kernels == "auto":
+        platform = (device or jax.devices()[0]).platform
+        return "pallas" if platform in ("gpu", "cuda") else "reference"
+    return kernels
+
+
+MATMUL_ROLES = ("attn", "output", "expert", "shared_expert", "ffn")  # spec roles whose weights feed a matmul
+
+
+def _pack_for_kernels(params: dict, specs) -> dict:
+    """Matmul weights in the Pallas kernels' layout (repacked on the device, same values).
+
+    The embedding stays in blocks (a row lookup); a tied output then runs the reference path.
+    Weights of a type or shape the kernels cannot read are named on stderr.
+    """
+    import sys
+
+    from ..quant.repack import PACKABLE, repack_on_device
+
+    roles = {s.name: s.role for s in specs}
+    unserved = []
+    for name, q in params.items():
+        if roles.get(name) not in MATMUL_ROLES:
+            continue
+        chunk = 128 if q.qtype == T.Q8_0 else 256
+        if T(q.qtype) in PACKABLE and q.shape[-1] % chunk == 0:
+            params[name] = repack_on_device(q.data, q.qtype, q.shape)
+            q.data.delete()  # the blocks are not needed twice on the card
+        else:
+            unserved.append(f"{name} ({T(q.qtype).name} {list(q.shape)})")
+    if unserved:
+        print(f"kernels=pallas: {len(unserved)} matmul weights have no kernel and run the reference path: "
+              + ", ".join(unserved[:8]) + (" ..." if len(unserved) > 8 else ""), file=sys.stderr)
+    return params
 
 
 def _want_f32(weights: str, params: dict, has_host: bool) -> bool:

@@ -9,6 +9,10 @@ as llama.cpp's chain of ``ggml_add`` does.
 
 Note: on the CPU backend XLA lowers ``ragged_dot`` to a masked dense product (E times the
 FLOPs of the pairs); on GPU it is a grouped GEMM. Test shapes keep E small.
+
+Experts repacked for the Pallas kernels (``PackedWeight``) take the MoE GEMV kernel while the
+pairs are few (decode: at most ``MOE_GEMV_MAX_PAIRS`` and under half the experts): it reads
+only the chosen experts' bytes, where the reference path dequantizes every expert of the layer.
 """
 
 from __future__ import annotations
@@ -16,8 +20,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ..pallas.moe_gemv import moe_gemv
+from ..quant.repack import PackedWeight
 from .actquant import round_activations
-from .qmatmul import as_f32, weight_qtype
+from .qmatmul import as_f32, interpret_kernels, weight_qtype
+
+MOE_GEMV_MAX_PAIRS = 64
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -61,6 +69,8 @@ def moe_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate, up, d
       float32 ``[N, D]``.
     """
     N, k = experts.shape
+    if isinstance(gate, PackedWeight) and N * k <= min(MOE_GEMV_MAX_PAIRS, gate.shape[0] // 2):
+        return _moe_swiglu_gemv(x, experts, weights, gate, up, down, act_rounding)
     wg, wu, wd = as_f32(gate), as_f32(up), as_f32(down)
     n_exp = wg.shape[0]
     flat = experts.reshape(N * k)  # [P] pairs, token-major
@@ -77,6 +87,24 @@ def moe_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate, up, d
     y = y[inv].reshape(N, k, -1) * weights[:, :, None]  # [N, k, D]
     out = y[:, 0]
     for j in range(1, k):  # llama.cpp adds the k outputs one after another
+        out = out + y[:, j]
+    return out
+
+
+def _moe_swiglu_gemv(x, experts, weights, gate, up, down, act_rounding):
+    """:func:`moe_swiglu` for few pairs with the Pallas MoE GEMV (packed weights)."""
+    N, k = experts.shape
+    interpret = interpret_kernels()
+    flat = experts.reshape(N * k)  # [P] pairs, token-major
+    tok = jnp.arange(N * k) // k  # [P] token of each pair
+    x = x.astype(jnp.float32)
+    xg = round_activations(x, weight_qtype(gate), act_rounding)[tok]  # [P, D]
+    xu = round_activations(x, weight_qtype(up), act_rounding)[tok]
+    h = swiglu(moe_gemv(xg, gate, flat, interpret=interpret), moe_gemv(xu, up, flat, interpret=interpret))  # [P, F]
+    h = round_activations(h, weight_qtype(down), act_rounding)
+    y = moe_gemv(h, down, flat, interpret=interpret).reshape(N, k, -1) * weights[:, :, None]  # [N, k, D]
+    out = y[:, 0]
+    for j in range(1, k):  # the same order as the reference path
         out = out + y[:, j]
     return out
 

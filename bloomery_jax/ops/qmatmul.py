@@ -4,6 +4,10 @@ This is the slow twin every fused kernel is checked against: values are exactly 
 file's dequantized values (``QTensor.dequantize``) and the product is float32 with
 ``Precision.HIGHEST`` (no bf16 passes on accelerators). ``act_rounding="ggml-cpu"`` first
 rounds the activations as llama.cpp's CPU backend does (see ``ops/actquant.py``).
+
+A weight repacked for the Pallas kernels (``PackedWeight``, ``kernels=pallas`` at load) takes
+the decode GEMV kernel when at most ``GEMV_MAX_ROWS`` rows of x multiply it, else the same
+reference math on its (bit-identical) dequantized values.
 """
 
 from __future__ import annotations
@@ -11,22 +15,34 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+# Imported eagerly: importing Pallas registers JAX config options, and a first import in the
+# middle of a run changes the tracing context, so every jitted step would compile again.
+from ..pallas.qgemv import qgemv
 from ..quant import QTensor, dequantize
+from ..quant.repack import PackedWeight, dequantize_packed
 from .actquant import round_activations
 
 HIGHEST = jax.lax.Precision.HIGHEST
+GEMV_MAX_ROWS = 8  # rows of x the GEMV kernel takes in one pass (it unrolls them)
 
 
 def as_f32(w) -> jax.Array:
-    """The float32 values of a weight given as a QTensor or a plain array."""
+    """The float32 values of a weight given as a QTensor, a PackedWeight or a plain array."""
     if isinstance(w, QTensor):
         return w.dequantize(jnp.float32)
+    if isinstance(w, PackedWeight):
+        return dequantize_packed(w)
     return jnp.asarray(w, jnp.float32)
 
 
 def weight_qtype(w) -> int:
     """The ggml type of a weight (plain arrays count as F32)."""
-    return w.qtype if isinstance(w, QTensor) else 0
+    return w.qtype if isinstance(w, (QTensor, PackedWeight)) else 0
+
+
+def interpret_kernels() -> bool:
+    """Pallas kernels run in the interpreter off the GPU (CPU tests)."""
+    return jax.default_backend() not in ("gpu", "cuda")
 
 
 def qmatmul(x: jax.Array, w, act_rounding: str = "none") -> jax.Array:
@@ -40,6 +56,10 @@ def qmatmul(x: jax.Array, w, act_rounding: str = "none") -> jax.Array:
       float32 ``[..., N]``.
     """
     x = round_activations(x.astype(jnp.float32), weight_qtype(w), act_rounding)
+    if isinstance(w, PackedWeight):
+        rows = x.reshape(-1, x.shape[-1])  # [R, K]
+        if rows.shape[0] <= GEMV_MAX_ROWS:
+            return qgemv(rows, w, interpret=interpret_kernels()).reshape(*x.shape[:-1], w.shape[0])
     return jnp.einsum("...k,nk->...n", x, as_f32(w), precision=HIGHEST)
 
 

@@ -119,9 +119,12 @@ FORMATS = {
 }
 
 
-def _kernel(x_ref, *refs, fmt: _Format, nrows: int, steps: int, per_step: int):
-    *w_refs, o_ref = refs  # o_ref: [B, BN]
-    bn = o_ref.shape[1]
+def _accumulate(x_ref, w_refs, *, fmt: _Format, bn: int, nrows: int, steps: int, per_step: int):
+    """The K loop of one program: B float32 ``[BN]`` rows of y (one per row of x) for its BN weight rows.
+
+    ``w_refs`` are the weight fields in kernel order, each a ref or any object whose
+    ``[...]`` reads the ref the same way (``moe_gemv`` passes views that prefix an expert).
+    """
     accs = tuple(jnp.zeros((bn, fmt.width), F32) for _ in range(nrows))
 
     def step(i, accs):
@@ -130,8 +133,25 @@ def _kernel(x_ref, *refs, fmt: _Format, nrows: int, steps: int, per_step: int):
         return accs
 
     accs = jax.lax.fori_loop(0, steps, step, accs)
+    return [jnp.sum(acc, axis=1) for acc in accs]
+
+
+def _kernel(x_ref, *refs, fmt: _Format, nrows: int, steps: int, per_step: int):
+    *w_refs, o_ref = refs  # o_ref: [B, BN]
+    ys = _accumulate(x_ref, w_refs, fmt=fmt, bn=o_ref.shape[1], nrows=nrows, steps=steps, per_step=per_step)
     for b in range(nrows):
-        o_ref[b, :] = jnp.sum(accs[b], axis=1)
+        o_ref[b, :] = ys[b]
+
+
+def _weight_fields(w: PackedWeight) -> list[tuple[jax.Array, bool]]:
+    """The packed arrays in the order the format's body unpacks them, each with
+    ``rows_last``: True for ``[..., chunks, fields, N]`` (scales), False for ``[..., N, cols]``."""
+    qtype = T(w.qtype)
+    if qtype == T.Q8_0:
+        return [(w.qs, False), (w.d, True)]
+    if qtype in (T.Q4_K, T.Q5_K):
+        return [(w.qs, False), (w.sc, True), (w.d, True)] + ([(w.qh, False)] if qtype == T.Q5_K else [])
+    return [(w.qs, False), (w.qh, False), (w.sc, True), (w.d, True)]
 
 
 def _weight_operands(w: PackedWeight, bn: int):
@@ -139,15 +159,7 @@ def _weight_operands(w: PackedWeight, bn: int):
     n = w.shape[0]
     row_tile = lambda a: pl.BlockSpec((bn, a.shape[1]), lambda i: (i, 0))  # [N, cols]
     rows_last = lambda a: pl.BlockSpec((*a.shape[:-1], bn), lambda i: (0,) * (a.ndim - 1) + (i,))
-    qtype = T(w.qtype)
-    if qtype == T.Q8_0:
-        ops = [(w.qs, row_tile), (w.d, rows_last)]
-    elif qtype in (T.Q4_K, T.Q5_K):
-        ops = [(w.qs, row_tile), (w.sc, rows_last), (w.d, rows_last)]
-        if qtype == T.Q5_K:
-            ops.append((w.qh, row_tile))
-    else:
-        ops = [(w.qs, row_tile), (w.qh, row_tile), (w.sc, rows_last), (w.d, rows_last)]
+    ops = [(a, rows_last if last else row_tile) for a, last in _weight_fields(w)]
     assert all(a.shape[-1 if spec is rows_last else 0] == n for a, spec in ops)
     return [a for a, _ in ops], [spec(a) for a, spec in ops]
 

@@ -17,6 +17,8 @@ import functools
 import jax
 import numpy as np
 
+from ..quant.repack import PackedWeight, repack_on_device
+
 EXPERT_TENSORS = ("gate", "up", "down")
 
 
@@ -33,7 +35,7 @@ def seat_experts(params: dict, host, layer: int, slots, experts) -> int:
     """Write experts ``experts[j]`` of ``layer`` into card slots ``slots[j]`` (in place).
 
     Args:
-      params: the engine's parameter dict (GGUF name → QTensor); its three expert entries of
+      params: the engine's parameter dict (GGUF name → QTensor or PackedWeight); its three expert entries of
         the layer are replaced by the updated buffers.
       host: the model's HostBridge (``host.layers[layer].gate.data`` is ``[E, rows, bytes]``).
       layer: the MoE layer.
@@ -57,7 +59,13 @@ def seat_experts(params: dict, host, layer: int, slots, experts) -> int:
         src = getattr(src_layer, which).data  # [E, rows, row_bytes] view of the file
         blocks = np.ascontiguousarray(src[experts])  # [n, rows, row_bytes]
         moved += blocks[: n - pad].nbytes
-        params[name] = dataclasses.replace(q, data=_write_rows(q.data, slots, blocks))
+        if isinstance(q, PackedWeight):  # kernels=pallas: repack the experts on the card, then write each field
+            new = repack_on_device(jax.device_put(blocks, q.qs.device), q.qtype, (n, *q.shape[1:]))
+            fields = {f: _write_rows(getattr(q, f), slots, getattr(new, f))
+                      for f in ("qs", "d", "sc", "qh") if getattr(q, f) is not None}
+            params[name] = dataclasses.replace(q, **fields)
+        else:
+            params[name] = dataclasses.replace(q, data=_write_rows(q.data, slots, blocks))
     return moved
 
 

@@ -31,6 +31,7 @@ reshape or gather, only broadcasts. Per-chunk scales are stored ``[..., chunks, 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -73,40 +74,73 @@ class PackedWeight:
 # ----------------------------------------------------------------------------------- NumPy side
 
 
-def _pack_planes(q: np.ndarray, bits: int) -> np.ndarray:
-    """OR plane p of ``q`` into bit field p: uint [..., P, W] (values < 2**bits) -> int32 [..., W]."""
-    planes = q.shape[-2]
-    assert planes * bits <= 32, (planes, bits)
-    shifts = (np.arange(planes, dtype=np.uint32) * bits)[:, None]  # [P, 1]
-    words = np.bitwise_or.reduce(q.astype(np.uint32) << shifts, axis=-2)
-    return words.view(np.int32)
+class _NumpyOps:
+    """Array primitives of the repack, NumPy flavour (load-time, any host)."""
+
+    concat = staticmethod(np.concatenate)
+
+    @staticmethod
+    def pack_planes(q, bits: int):
+        """OR plane p of ``q`` into bit field p: uint [..., P, W] (values < 2**bits) -> int32 [..., W]."""
+        planes = q.shape[-2]
+        assert planes * bits <= 32, (planes, bits)
+        shifts = (np.arange(planes, dtype=np.uint32) * bits)[:, None]  # [P, 1]
+        words = np.bitwise_or.reduce(q.astype(np.uint32) << shifts, axis=-2)
+        return words.view(np.int32)
+
+    @staticmethod
+    def rows_last(a, lead: int):
+        """[*lead, N, chunks, *fields] -> [*lead, chunks, *fields, N]: a row tile reads one vector."""
+        return np.ascontiguousarray(np.moveaxis(a, lead, -1))
+
+    @staticmethod
+    def f16(b):
+        """Little-endian f16 fields: uint8 [..., 2 * n] -> f16 [..., n]."""
+        return np.ascontiguousarray(b).view("<f2")
+
+    @staticmethod
+    def u32(b):
+        """Little-endian 32-bit words: uint8 [..., 4 * n] -> int32 [..., n]."""
+        return np.ascontiguousarray(b).view("<i4")
 
 
-def _rows_last(a: np.ndarray, lead: int) -> np.ndarray:
-    """[*lead, N, chunks, *fields] -> [*lead, chunks, *fields, N]: a row tile reads one vector."""
-    return np.ascontiguousarray(np.moveaxis(a, lead, -1))
+class _JaxOps:
+    """The same primitives in jnp, so a weight already on the card repacks there (the NumPy
+    path runs at ~20-50 MB/s, minutes for a 17 GB model)."""
+
+    concat = staticmethod(jnp.concatenate)
+
+    @staticmethod
+    def pack_planes(q, bits: int):
+        planes = q.shape[-2]
+        assert planes * bits <= 32, (planes, bits)
+        shifts = (jnp.arange(planes, dtype=jnp.uint32) * bits)[:, None]  # [P, 1]
+        words = jnp.sum(q.astype(jnp.uint32) << shifts, axis=-2, dtype=jnp.uint32)  # disjoint fields: sum == OR
+        return jax.lax.bitcast_convert_type(words, jnp.int32)
+
+    @staticmethod
+    def rows_last(a, lead: int):
+        return jnp.moveaxis(a, lead, -1)
+
+    @staticmethod
+    def f16(b):
+        return jax.lax.bitcast_convert_type(b.reshape(*b.shape[:-1], -1, 2), jnp.float16)  # [..., n, 2] -> [..., n]
+
+    @staticmethod
+    def u32(b):
+        return jax.lax.bitcast_convert_type(b.reshape(*b.shape[:-1], -1, 4), jnp.int32)  # [..., n, 4] -> [..., n]
 
 
-def _f16(b: np.ndarray) -> np.ndarray:
-    """Little-endian f16 fields: uint8 [..., 2 * n] -> f16 [..., n]."""
-    return np.ascontiguousarray(b).view("<f2")
-
-
-def _u32(b: np.ndarray) -> np.ndarray:
-    """Little-endian 32-bit words: uint8 [..., 4 * n] -> int32 [..., n]."""
-    return np.ascontiguousarray(b).view("<i4")
-
-
-def _nibble_pairs(qs: np.ndarray, groups: int, width: int) -> np.ndarray:
+def _nibble_pairs(qs, groups: int, width: int, xp=_NumpyOps):
     """ggml's 4-bit runs: uint8 [..., groups * width] -> [..., 2 * groups, width].
 
     Byte g * width + j holds element j of run 2g in its low nibble and of run 2g + 1 in its high one.
     """
     b = qs.reshape(*qs.shape[:-1], groups, 1, width)
-    return np.concatenate([b & 0x0F, b >> 4], axis=-2).reshape(*qs.shape[:-1], 2 * groups, width)
+    return xp.concat([b & 0x0F, b >> 4], axis=-2).reshape(*qs.shape[:-1], 2 * groups, width)
 
 
-def _blocks(raw: np.ndarray, qtype: T, shape: tuple[int, ...]) -> np.ndarray:
+def _blocks(raw, qtype: T, shape: tuple[int, ...]):
     """Validated raw bytes as blocks: uint8 [..., N, row_bytes] -> [..., N, G, block_bytes]."""
     elems, nbytes = block_geometry(qtype)
     chunk = 128 if qtype == T.Q8_0 else 256
@@ -116,66 +150,67 @@ def _blocks(raw: np.ndarray, qtype: T, shape: tuple[int, ...]) -> np.ndarray:
     if k % chunk:
         raise ValueError(f"repack: {qtype.name} rows of {k} elements are not a multiple of {chunk} "
                          f"(the GEMV kernels read {chunk}-element chunks)")
-    raw = np.asarray(raw)
+    if not isinstance(raw, jax.Array):
+        raw = np.asarray(raw)
     want = (*shape[:-1], k // elems * nbytes)
     if raw.dtype != np.uint8 or raw.size != int(np.prod(want, dtype=np.int64)):
         raise ValueError(f"repack: {qtype.name} {shape} needs uint8 bytes {want}, got {raw.dtype} {raw.shape}")
     return raw.reshape(*shape[:-1], k // elems, nbytes)
 
 
-def _q8_0(blocks: np.ndarray, lead: int) -> dict:
+def _q8_0(blocks, lead: int, xp=_NumpyOps) -> dict:
     # block: d (f16) | 32 int8; 4 consecutive blocks form a chunk of 4 planes x 32 columns
     *rows, nb, _ = blocks.shape
     q = blocks[..., 2:34].reshape(*rows, nb // 4, 4, 32)  # [..., N, C, plane, j]
-    qs = _pack_planes(q, 8).reshape(*rows, nb * 8)
-    d = _f16(blocks[..., 0:2]).reshape(*rows, nb)  # [..., N, K/32]
-    return dict(qs=qs, d=_rows_last(d, lead))
+    qs = xp.pack_planes(q, 8).reshape(*rows, nb * 8)
+    d = xp.f16(blocks[..., 0:2]).reshape(*rows, nb)  # [..., N, K/32]
+    return dict(qs=qs, d=xp.rows_last(d, lead))
 
 
-def _k4_common(blocks: np.ndarray, qs_bytes: np.ndarray, lead: int) -> dict:
+def _k4_common(blocks, qs_bytes, lead: int, xp) -> dict:
     *rows, g, _ = blocks.shape
-    q = _nibble_pairs(qs_bytes, 4, 32)  # [..., N, G, 8, 32]: sub-block = plane
-    qs = _pack_planes(q, 4).reshape(*rows, g * 32)
-    dm = _f16(blocks[..., 0:4])  # [..., N, G, 2]
-    sc = _u32(blocks[..., 4:16])  # [..., N, G, 3]
-    return dict(qs=qs, sc=_rows_last(sc, lead), d=_rows_last(dm, lead))
+    q = _nibble_pairs(qs_bytes, 4, 32, xp)  # [..., N, G, 8, 32]: sub-block = plane
+    qs = xp.pack_planes(q, 4).reshape(*rows, g * 32)
+    dm = xp.f16(blocks[..., 0:4])  # [..., N, G, 2]
+    sc = xp.u32(blocks[..., 4:16])  # [..., N, G, 3]
+    return dict(qs=qs, sc=xp.rows_last(sc, lead), d=xp.rows_last(dm, lead))
 
 
-def _q4_k(blocks: np.ndarray, lead: int) -> dict:
+def _q4_k(blocks, lead: int, xp=_NumpyOps) -> dict:
     # block: d | dmin | scales[12] | qs[128]
-    return _k4_common(blocks, blocks[..., 16:144], lead)
+    return _k4_common(blocks, blocks[..., 16:144], lead, xp)
 
 
-def _q5_k(blocks: np.ndarray, lead: int) -> dict:
+def _q5_k(blocks, lead: int, xp=_NumpyOps) -> dict:
     # block: d | dmin | scales[12] | qh[32] | qs[128]
     *rows, g, _ = blocks.shape
-    out = _k4_common(blocks, blocks[..., 48:176], lead)
-    out["qh"] = np.ascontiguousarray(blocks[..., 16:48]).reshape(*rows, g * 32)
+    out = _k4_common(blocks, blocks[..., 48:176], lead, xp)
+    out["qh"] = blocks[..., 16:48].reshape(*rows, g * 32)
     return out
 
 
-def _q6_values(blocks: np.ndarray) -> np.ndarray:
+def _q6_values(blocks, xp=_NumpyOps):
     """The 6-bit quants of Q6_K blocks in element order: [..., G, 210] -> uint8 [..., G, 256]."""
     *rows, g, _ = blocks.shape
     ql = blocks[..., 0:128].reshape(*rows, g, 2, 64)
     qh = blocks[..., 128:192].reshape(*rows, g, 2, 1, 32)
     # per 128-element half: ql byte l holds elements l (low nibble) and l + 64 (high);
     # 2-bit field k of qh byte l holds the high bits of element 32 k + l
-    low = _nibble_pairs(ql, 1, 64).reshape(*rows, g, 2, 128)
-    high = np.concatenate([(qh >> s) & 3 for s in (0, 2, 4, 6)], axis=-2).reshape(*rows, g, 2, 128)
+    low = _nibble_pairs(ql, 1, 64, xp).reshape(*rows, g, 2, 128)
+    high = xp.concat([(qh >> s) & 3 for s in (0, 2, 4, 6)], axis=-2).reshape(*rows, g, 2, 128)
     return (low | (high << 4)).reshape(*rows, g, 256)
 
 
-def _q6_k(blocks: np.ndarray, lead: int) -> dict:
+def _q6_k(blocks, lead: int, xp=_NumpyOps) -> dict:
     # block: ql[128] | qh[64] | scales[16] (int8) | d (f16)
     *rows, g, _ = blocks.shape
-    q = _q6_values(blocks).reshape(*rows, g, 2, 8, 16)  # [..., G, half, plane, j]
-    qs = _pack_planes(q & 15, 4).reshape(*rows, g * 32)  # words (s, h, j)
+    q = _q6_values(blocks, xp).reshape(*rows, g, 2, 8, 16)  # [..., G, half, plane, j]
+    qs = xp.pack_planes(q & 15, 4).reshape(*rows, g * 32)  # words (s, h, j)
     high = (q >> 4).reshape(*rows, g, 16, 16)  # [..., G, h*8+p, j]
-    qh_words = _pack_planes(high, 2).reshape(*rows, g * 16)  # words (s, j)
-    sc = _u32(blocks[..., 192:208])  # [..., N, G, 4]
-    d = _f16(blocks[..., 208:210]).reshape(*rows, g)
-    return dict(qs=qs, qh=qh_words, sc=_rows_last(sc, lead), d=_rows_last(d, lead))
+    qh_words = xp.pack_planes(high, 2).reshape(*rows, g * 16)  # words (s, j)
+    sc = xp.u32(blocks[..., 192:208])  # [..., N, G, 4]
+    d = xp.f16(blocks[..., 208:210]).reshape(*rows, g)
+    return dict(qs=qs, qh=qh_words, sc=xp.rows_last(sc, lead), d=xp.rows_last(d, lead))
 
 
 _REPACK = {T.Q8_0: _q8_0, T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k}
@@ -188,7 +223,7 @@ def _natural_words(q: np.ndarray, bits: int) -> np.ndarray:
     """Quants in element order packed LSB-first: [..., E] -> int32 [..., E * bits / 32]."""
     per = 32 // bits
     q = q.reshape(*q.shape[:-1], q.shape[-1] // per, per)  # [..., words, per]
-    return _pack_planes(q.swapaxes(-1, -2), bits)
+    return _NumpyOps.pack_planes(q.swapaxes(-1, -2), bits)
 
 
 def _k4_fields(packed: np.ndarray) -> np.ndarray:
@@ -201,14 +236,14 @@ def _k4_fields(packed: np.ndarray) -> np.ndarray:
 
 def _rows_q8_0(blocks: np.ndarray) -> dict:
     *rows, nb, _ = blocks.shape
-    qs = _u32(blocks[..., 2:34]).reshape(*rows, nb // 4, 4, 8)  # [..., N, C, block, word]
-    return dict(qs=qs, d=_f16(blocks[..., 0:2]).reshape(*rows, nb // 4, 4))
+    qs = _NumpyOps.u32(blocks[..., 2:34]).reshape(*rows, nb // 4, 4, 8)  # [..., N, C, block, word]
+    return dict(qs=qs, d=_NumpyOps.f16(blocks[..., 0:2]).reshape(*rows, nb // 4, 4))
 
 
 def _rows_k4(blocks: np.ndarray, qs_bytes: np.ndarray) -> dict:
     *rows, g, _ = blocks.shape
     q = _nibble_pairs(qs_bytes, 4, 32)  # [..., N, G, 8, 32]
-    return dict(qs=_natural_words(q, 4), sc=_k4_fields(blocks[..., 4:16]), d=_f16(blocks[..., 0:4]))
+    return dict(qs=_natural_words(q, 4), sc=_k4_fields(blocks[..., 4:16]), d=_NumpyOps.f16(blocks[..., 0:4]))
 
 
 def _rows_q4_k(blocks: np.ndarray) -> dict:
@@ -228,7 +263,7 @@ def _rows_q6_k(blocks: np.ndarray) -> dict:
     q = _q6_values(blocks).reshape(*rows, g, 16, 16)  # [..., N, G, sub-block, e]
     return dict(qs=_natural_words(q & 15, 4), qh=_natural_words(q >> 4, 2)[..., 0],
                 sc=np.ascontiguousarray(blocks[..., 192:208]).view(np.int8),
-                d=_f16(blocks[..., 208:210]).reshape(*rows, g))
+                d=_NumpyOps.f16(blocks[..., 208:210]).reshape(*rows, g))
 
 
 _REPACK_ROWS = {T.Q8_0: _rows_q8_0, T.Q4_K: _rows_q4_k, T.Q5_K: _rows_q5_k, T.Q6_K: _rows_q6_k}
@@ -263,6 +298,30 @@ def repack(raw: np.ndarray, qtype, shape, layout: str = "planes") -> PackedWeigh
         fields = _REPACK_ROWS[qtype](blocks)
     arrays = {k: jnp.asarray(v) for k, v in fields.items()}
     return PackedWeight(**arrays, qtype=int(qtype), shape=shape, layout=layout)
+
+
+def repack_on_device(data: jax.Array, qtype, shape) -> PackedWeight:
+    """:func:`repack` into the "planes" layout for blocks already on a device, computed there.
+
+    Args:
+      data: uint8 ``[..., N, row_bytes]`` device array (a ``QTensor.data``).
+      qtype, shape: as for :func:`repack`.
+    Returns:
+      PackedWeight on the same device, bit-identical to ``repack(np.asarray(data), qtype, shape)``.
+    """
+    qtype = T(qtype)
+    shape = tuple(int(s) for s in shape)
+    if qtype not in _REPACK:
+        names = ", ".join(t.name for t in PACKABLE)
+        raise ValueError(f"repack: no GEMV layout for {qtype.name} (have {names})")
+    _blocks(data, qtype, shape)  # validates before tracing
+    fields = _repack_jit(data, int(qtype), shape)
+    return PackedWeight(**fields, qtype=int(qtype), shape=shape, layout="planes")
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _repack_jit(data: jax.Array, qtype: int, shape: tuple[int, ...]) -> dict:
+    return _REPACK[T(qtype)](_blocks(data, T(qtype), shape), len(shape) - 2, _JaxOps)
 
 
 # ------------------------------------------------------------------------------------ jnp side

@@ -119,7 +119,7 @@ class Provider:
         path = str(default_model.default_model_path()) if is_default else opts.model
         self.model_path = path
         self.log(f"loading {path}")
-        model = load_model(path, place=st.placement, weights=st.weights)
+        model = load_model(path, place=st.placement, weights=st.weights, kernels=st.kernels)
         tok = Tokenizer.from_gguf(model.gguf)
         source = tok.vocab.chat_template
         if source is None:
@@ -132,8 +132,6 @@ class Provider:
             from ..placement import describe_placement
 
             self.log(f"placement {st.placement}: {describe_placement(model)}")
-        if st.kernels != "reference":
-            self.log(f"note: kernels={st.kernels!r} is not wired into the engine yet; it runs the reference path")
         parallel = opts.parallel or st.parallel
         residency = make_residency(model, opts.residency, prompt_streaming=opts.prompt_streaming,
                                    max_swaps=opts.max_swaps)

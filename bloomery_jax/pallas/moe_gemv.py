@@ -1,0 +1,116 @@
+"""Decode GEMV for MoE experts: ``y[p] = x[p] @ W[experts[p]]^T`` on a repacked ``[E, N, K]`` weight.
+
+Contract: ``moe_gemv(x [P, K], w [E, N, K], experts [P]) -> float32 [P, N]`` with
+``y[p] = x[p] @ dequantize(w)[experts[p]].T`` for every pair p (one token routed to one
+expert; P is small, decode). Pairs may repeat an expert. Expert indices must lie in [0, E);
+others are clamped into that range so the kernel never reads outside the weight.
+
+How: the planes kernel of ``qgemv`` (same per-format bodies, same K loop) on a grid
+``(P, N / block_n)``. Program (p, i) reads row p of x and rows ``i*block_n..`` of expert
+``experts[p]`` straight from the stacked ``[E, ...]`` arrays: nothing is gathered or
+dequantized outside the kernel, so a layer reads only the chosen experts' bytes. Pallas'
+Triton lowering has no scalar prefetch, so the expert cannot be chosen by a BlockSpec's index
+map; instead each program loads its expert index from ``experts`` (a one-element block) and
+uses it as the leading scalar index of every weight load (``_ExpertView``). The weight blocks
+span all E experts (only the row tile is blocked), which costs nothing: a Triton block is a
+pointer, and only the indexed expert's words are loaded.
+
+Exactness: as ``qgemv`` (every weight formed equals ``dequantize`` bit for bit, only the sum
+order differs), so |y - exact| <= ``rounding_depth("planes", qtype, K, config)`` * 2^-24 *
+sum_k |x_k w_k| per output.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from gguf import GGMLQuantizationType as T
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from ..quant.repack import PackedWeight
+from .qgemv import FORMATS, F32, _accumulate, _largest_divisor, _weight_fields
+from .qgemv_tuned import GemvConfig, pick_config
+
+__all__ = ["GemvConfig", "moe_gemv"]
+
+
+class _ExpertView:
+    """``view[idx]`` reads ``ref[e, *idx]``: one expert of a stacked weight ref.
+
+    ``ref.at[e]`` would say the same, but the Triton lowering refuses a load through two
+    indexers; folding e into the single indexer keeps one pointer computation per load.
+    """
+
+    def __init__(self, ref, e):
+        self.ref, self.e = ref, e
+
+    def __getitem__(self, idx):
+        return self.ref[(self.e, *(idx if isinstance(idx, tuple) else (idx,)))]
+
+
+def _moe_kernel(e_ref, x_ref, *refs, fmt, n_experts: int, steps: int, per_step: int):
+    *w_refs, o_ref = refs  # e_ref [1] int32, x_ref [1, K], w_refs [E, ...] blocks, o_ref [1, BN]
+    e = jnp.clip(e_ref[0], 0, n_experts - 1)  # a bad index must not read out of bounds
+    views = [_ExpertView(r, e) for r in w_refs]
+    (y,) = _accumulate(x_ref, views, fmt=fmt, bn=o_ref.shape[1], nrows=1, steps=steps, per_step=per_step)
+    o_ref[0, :] = y
+
+
+def _operands(w: PackedWeight, bn: int):
+    """The stacked arrays in kernel order with BlockSpecs: all experts, rows i*bn.. of each."""
+    arrays, specs = [], []
+    for a, rows_last in _weight_fields(w):
+        if rows_last:  # [E, chunks, fields, N]: the tile is a slice of the last axis
+            spec = pl.BlockSpec((*a.shape[:-1], bn), lambda p, i, nd=a.ndim: (0,) * (nd - 1) + (i,))
+        else:  # [E, N, cols]
+            spec = pl.BlockSpec((a.shape[0], bn, a.shape[2]), lambda p, i: (0, i, 0))
+        arrays.append(a)
+        specs.append(spec)
+    return arrays, specs
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def moe_gemv(x: jax.Array, w: PackedWeight, experts: jax.Array, *, config: GemvConfig | None = None,
+             interpret: bool = False) -> jax.Array:
+    """``x[p] @ W[experts[p]]^T`` for every pair p, float32 accumulation.
+
+    Args:
+      x: float ``[P, K]`` (f32, bf16 or f16; widened in-kernel), one row per (token, expert) pair.
+      w: PackedWeight ``[E, N, K]`` in the "planes" layout, Q8_0, Q4_K, Q5_K or Q6_K.
+      experts: integer ``[P]``, the expert of each pair, in [0, E) (repeats allowed).
+      config: launch parameters; None picks ``pick_config`` for one expert's ``[N, K]``.
+        ``block_n`` and ``chunks_per_step`` shrink to divisors as in ``qgemv``.
+      interpret: run with the Pallas interpreter (CPU tests).
+    Returns:
+      float32 ``[P, N]``.
+    """
+    qtype = T(w.qtype)
+    if qtype not in FORMATS or len(w.shape) != 3 or w.layout != "planes":
+        raise ValueError(f"moe_gemv: needs a 3-D planes-layout Q8_0/Q4_K/Q5_K/Q6_K weight, got "
+                         f"{qtype.name} {w.shape} {w.layout}")
+    n_exp, n, k = w.shape
+    if x.ndim != 2 or x.shape[1] != k or experts.shape != (x.shape[0],):
+        raise ValueError(f"moe_gemv: x must be [P, {k}] and experts [P], got {x.shape} and {experts.shape}")
+    cfg = config or pick_config("planes", qtype.name, n, k)
+    fmt = FORMATS[qtype]
+    bn = _largest_divisor(n, cfg.block_n, pow2=True)
+    chunks = k // fmt.chunk
+    per_step = _largest_divisor(chunks, cfg.chunks_per_step, pow2=False)
+    arrays, specs = _operands(w, bn)
+    n_pairs = x.shape[0]
+    kernel = functools.partial(_moe_kernel, fmt=fmt, n_experts=n_exp, steps=chunks // per_step, per_step=per_step)
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((n_pairs, n), F32),
+        grid=(n_pairs, n // bn),
+        in_specs=[pl.BlockSpec((1,), lambda p, i: (p,)),  # this pair's expert
+                  pl.BlockSpec((1, k), lambda p, i: (p, 0)),  # this pair's row of x
+                  *specs],
+        out_specs=pl.BlockSpec((1, bn), lambda p, i: (p, i)),
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        interpret=interpret,
+        name=f"moe_gemv_{qtype.name.lower()}",
+    )(experts.astype(jnp.int32), x, *arrays)

@@ -1,0 +1,145 @@
+"""pallas.moe_gemv (Pallas interpret mode on the CPU) against a float64 reference, and its Triton lowering.
+
+Tolerance, as for the planes kernel of ``qgemv`` (tests/test_pallas_qgemv.py): every weight the
+kernel forms equals ``dequantize`` of the file bit for bit, so only the sum order differs and
+    |y[p] - y_f64[p]| <= depth * 2^-24 * sum_k |x[p, k]| |w[experts[p], n, k]|,
+with ``depth = qgemv.rounding_depth("planes", ...)`` and a 1% margin for second-order terms.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
+
+from bloomery_jax.pallas.moe_gemv import GemvConfig, moe_gemv
+from bloomery_jax.pallas.qgemv import qgemv, rounding_depth
+from bloomery_jax.quant import dequantize
+from bloomery_jax.quant.repack import PACKABLE, repack
+from test_pallas_qgemv import U, weight
+
+CFG = GemvConfig(16, 1, 4, 3)  # 2 row tiles of 16 at N=32, one chunk per loop step
+
+
+def stacked(qtype, e, n, k, rng):
+    """Random GGUF bytes [E, N, row_bytes] (finite f16 scales), their planes repack, f64 values."""
+    raw = np.stack([weight(qtype, n, k, rng) for _ in range(e)])
+    w64 = np.asarray(dequantize(raw, qtype, (e, n, k)), np.float64)
+    return raw, repack(raw, qtype, (e, n, k)), w64
+
+
+def errors(y, x, w64, experts, qtype, cfg):
+    """|y - y_f64| / bound for every output, with the truth built from the given expert index."""
+    xf = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+    w = w64[np.asarray(experts)]  # [P, N, K]
+    exact = np.einsum("pk,pnk->pn", xf, w)
+    mag = np.einsum("pk,pnk->pn", np.abs(xf), np.abs(w))  # sum_k |x w|
+    bound = 1.01 * rounding_depth("planes", qtype, x.shape[1], cfg) * U * mag
+    return np.abs(np.asarray(y, np.float64) - exact) / bound
+
+
+@pytest.mark.parametrize("qtype", PACKABLE, ids=lambda t: t.name)
+def test_matches_reference(qtype):
+    # E=6 experts (not a power of two), 16 pairs: every expert repeats, pairs in scrambled order
+    rng = np.random.default_rng(int(qtype))
+    raw, pw, w64 = stacked(qtype, 6, 32, 512, rng)
+    experts = jnp.asarray(rng.integers(0, 6, 16), jnp.int32)
+    x = jnp.asarray(rng.standard_normal((16, 512)), jnp.float32)
+    y = moe_gemv(x, pw, experts, config=CFG, interpret=True)
+    assert y.shape == (16, 32) and y.dtype == jnp.float32
+    assert errors(y, x, w64, experts, qtype, CFG).max() <= 1.0
+
+
+@pytest.mark.parametrize("qtype,cfg,dtype", [
+    (T.Q4_K, GemvConfig(32, 2, 4, 3), jnp.bfloat16),  # one row tile, 2 chunks a step, bf16 x
+    (T.Q6_K, GemvConfig(8, 2, 4, 3), jnp.float32),
+], ids=["Q4_K-bf16", "Q6_K-f32"])
+def test_single_pair(qtype, cfg, dtype):
+    rng = np.random.default_rng(5)
+    raw, pw, w64 = stacked(qtype, 4, 32, 512, rng)
+    experts = jnp.asarray([3], jnp.int32)
+    x = jnp.asarray(rng.standard_normal((1, 512)), dtype)
+    y = moe_gemv(x, pw, experts, config=cfg, interpret=True)
+    assert errors(y, x, w64, experts, qtype, cfg).max() <= 1.0
+
+
+def test_same_sums_as_qgemv_on_the_expert():
+    # the same bodies and K loop: each pair's row equals qgemv on its expert's own 2-D weight
+    rng = np.random.default_rng(9)
+    raw, pw, _ = stacked(T.Q5_K, 4, 32, 512, rng)
+    experts = np.array([2, 0, 2, 3])
+    x = jnp.asarray(rng.standard_normal((4, 512)), jnp.float32)
+    y = np.asarray(moe_gemv(x, pw, jnp.asarray(experts), config=CFG, interpret=True))
+    for p, e in enumerate(experts):
+        one = repack(raw[e], T.Q5_K, (32, 512))
+        np.testing.assert_array_equal(y[p], np.asarray(qgemv(x[p:p + 1], one, config=CFG, interpret=True))[0])
+
+
+def test_bound_catches_a_wrong_expert():
+    # guards the test: the right outputs judged against a neighbouring expert fail the bound everywhere
+    rng = np.random.default_rng(11)
+    raw, pw, w64 = stacked(T.Q4_K, 4, 32, 512, rng)
+    experts = jnp.asarray([1, 3, 0, 1], jnp.int32)
+    x = jnp.asarray(rng.standard_normal((4, 512)), jnp.float32)
+    y = moe_gemv(x, pw, experts, config=CFG, interpret=True)
+    assert errors(y, x, w64, experts, T.Q4_K, CFG).max() <= 1.0
+    wrong = experts.at[2].set(2)
+    ratio = errors(y, x, w64, wrong, T.Q4_K, CFG)
+    assert (ratio[2] > 1.0).all(), ratio[2].min()
+    assert (np.delete(ratio, 2, axis=0) <= 1.0).all()
+
+
+def test_out_of_range_experts_are_clamped():
+    rng = np.random.default_rng(13)
+    _, pw, _ = stacked(T.Q8_0, 4, 32, 256, rng)
+    x = jnp.asarray(rng.standard_normal((2, 256)), jnp.float32)
+    y = moe_gemv(x, pw, jnp.asarray([7, -2], jnp.int32), config=CFG, interpret=True)
+    want = moe_gemv(x, pw, jnp.asarray([3, 0], jnp.int32), config=CFG, interpret=True)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(want))
+
+
+def test_bad_inputs_raise():
+    _, pw, _ = stacked(T.Q4_K, 4, 16, 256, np.random.default_rng(0))
+    with pytest.raises(ValueError, match=r"x must be \[P, 256\] and experts \[P\]"):
+        moe_gemv(jnp.zeros((2, 512)), pw, jnp.zeros(2, jnp.int32), interpret=True)
+    with pytest.raises(ValueError, match=r"x must be \[P, 256\] and experts \[P\]"):
+        moe_gemv(jnp.zeros((2, 256)), pw, jnp.zeros(3, jnp.int32), interpret=True)
+    flat = repack(np.zeros((16, 144), np.uint8), T.Q4_K, (16, 256))
+    with pytest.raises(ValueError, match="needs a 3-D planes-layout"):
+        moe_gemv(jnp.zeros((2, 256)), flat, jnp.zeros(2, jnp.int32), interpret=True)
+    rows = repack(np.zeros((4, 16, 144), np.uint8), T.Q4_K, (4, 16, 256), "rows")
+    with pytest.raises(ValueError, match="needs a 3-D planes-layout"):
+        moe_gemv(jnp.zeros((2, 256)), rows, jnp.zeros(2, jnp.int32), interpret=True)
+
+
+@pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
+@pytest.mark.parametrize("qtype", PACKABLE, ids=lambda t: t.name)
+def test_lowers_to_triton_for_h200(qtype, monkeypatch):
+    """Lower (no GPU needed) for an abstract H200: the kernel must become a verified Triton module
+    for sm_90, at the default launch parameters and a decode shape (E=6, 16 pairs)."""
+    from jax._src.pallas.triton import pallas_call_registration as reg  # private: the hook is test-only
+
+    built = []
+    original = reg.lowering.lower_jaxpr_to_triton_module
+
+    def verified(*args, **kwargs):
+        result = original(*args, **kwargs)
+        op = result.module.operation
+        built.append((str(op.attributes["sym_name"]).strip('"'), args[3], op.verify()))
+        return result
+
+    monkeypatch.setattr(reg.lowering, "lower_jaxpr_to_triton_module", verified)
+    jax.clear_caches()  # a lowering cached by an earlier test would skip the hook
+    e, n, k = 6, 64, 512
+    raw = np.stack([weight(qtype, n, k, np.random.default_rng(0)) for _ in range(e)])
+    pw = repack(raw, qtype, (e, n, k))
+    x = jax.ShapeDtypeStruct((16, k), jnp.bfloat16)
+    experts = jax.ShapeDtypeStruct((16,), jnp.int32)
+    h200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+    with use_abstract_mesh(AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=h200)):
+        lowered = jax.jit(moe_gemv).trace(x, pw, experts).lower(lowering_platforms=("cuda",))
+    assert "__gpu$xla.gpu.triton" in lowered.as_text()
+    assert built == [(f"moe_gemv_{qtype.name.lower()}", 90, True)]
