@@ -172,13 +172,21 @@ def bench(args, name: str, extra: list[str], parallel: str = "1,2") -> None:
     """One `python -m bloomery_jax.bench` run; its JSON records go to <name>.json."""
     p, n = ("64", "16") if args.tiny else ("512", "128")
     cmd = [sys.executable, "-m", "bloomery_jax.bench", "--model", str(model_path(args)), "-p", p, "-n", n,
-           "--parallel", parallel, "--reps", str(args.reps), "--json", "--quiet", *extra]
+           "--parallel", parallel, "--reps", str(args.reps), "--json", "--kernels", args.kernels, *extra]
     log(" ".join(cmd))
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    write_json(args.out, f"bench-{name}.json", dict(command=" ".join(cmd), rc=proc.returncode, records=records,
-                                                    stderr=proc.stderr[-2000:], seconds=time.perf_counter() - t0))
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=args.variant_timeout)
+        rc, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
+    except subprocess.TimeoutExpired as e:  # keep what it printed: load and compile times
+        rc, stdout, stderr = "timeout", _text(e.stdout), _text(e.stderr)
+    records = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    write_json(args.out, f"bench-{name}.json", dict(command=" ".join(cmd), rc=rc, records=records,
+                                                    stderr=stderr[-3000:], seconds=time.perf_counter() - t0))
+
+
+def _text(b) -> str:
+    return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
 
 
 def bench_variants(args) -> dict[str, tuple[list[str], str]]:
@@ -236,6 +244,8 @@ def main(argv=None) -> int:
     p.add_argument("stages", nargs="+", choices=list(STAGES))
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu_out")))
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--variant-timeout", type=float, default=None, help="seconds one bench variant may run")
+    p.add_argument("--kernels", default="auto", help="bench --kernels (reference | pallas | auto)")
     p.add_argument("--tiny", action="store_true", help="small models: check the flow on a CPU")
     p.add_argument("--only", type=lambda v: v.split(","), default=None,
                    help="bench variants to run, comma-separated: card, ncmoe36, quarter-static, quarter-lfu, "
