@@ -192,11 +192,11 @@ def run(argv: list[str] | None = None, out=None, err=None) -> list[dict]:
             r.update(model=str(model.path), architecture=model.gguf.architecture, model_bytes=size,
                      ubatch=args.ubatch, kv_dtype=args.kv_dtype, kernels=kernels, weights=args.weights, reps=args.reps, load_s=load_s,
                      compile_s=compile_s, witness=witness)
+            if args.json:  # as each finishes: a run cut short still leaves what it measured
+                out.write(json.dumps(r) + "\n")
+                out.flush()
         records += recs
-    if args.json:
-        for r in records:
-            out.write(json.dumps(r) + "\n")
-    else:
+    if not args.json:
         out.write(format_table(records) + "\n" + describe(witness) + "\n")
     return records
 

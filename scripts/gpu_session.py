@@ -150,8 +150,16 @@ def stage_precision(args) -> None:
 
 # --- the big model and our bench (issues 5, 7, 8, 9) -----------------------------------------
 
+def model_shape(args) -> dict:
+    shape = dict(TINY if args.tiny else QWEN30B)
+    if args.layers:
+        shape["n_layers"] = args.layers
+    return shape
+
+
 def model_path(args) -> Path:
-    return WORK / ("tiny-q4km.gguf" if args.tiny else "qwen3-30b-a3b-shape-q4km.gguf")
+    layers = f"-{args.layers}l" if args.layers else ""
+    return WORK / (f"tiny{layers}-q4km.gguf" if args.tiny else f"qwen3-30b-a3b-shape{layers}-q4km.gguf")
 
 
 def stage_model(args) -> None:
@@ -163,7 +171,7 @@ def stage_model(args) -> None:
         return
     WORK.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    report = synthesize(path, qtype="Q4_K_M", seed=0, route_skew=2.0, **(TINY if args.tiny else QWEN30B))
+    report = synthesize(path, qtype="Q4_K_M", seed=0, route_skew=2.0, **model_shape(args))
     write_json(args.out, "model.json", dict(path=str(path), bytes=path.stat().st_size,
                                             seconds=time.perf_counter() - t0, report=str(report)))
 
@@ -181,7 +189,7 @@ def bench(args, name: str, extra: list[str], parallel: str = "1,2") -> None:
     except subprocess.TimeoutExpired as e:  # keep what it printed: load and compile times
         rc, stdout, stderr = "timeout", _text(e.stdout), _text(e.stderr)
     records = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
-    write_json(args.out, f"bench-{name}.json", dict(command=" ".join(cmd), rc=rc, records=records,
+    write_json(args.out, f"bench-{name}-{args.kernels}.json", dict(command=" ".join(cmd), rc=rc, records=records,
                                                     stderr=stderr[-3000:], seconds=time.perf_counter() - t0))
 
 
@@ -191,7 +199,7 @@ def _text(b) -> str:
 
 def bench_variants(args) -> dict[str, tuple[list[str], str]]:
     """name -> (bench options, parallel counts)."""
-    quarter = ["--place", f"card-experts={(TINY if args.tiny else QWEN30B)['n_experts'] // 4}"]
+    quarter = ["--place", f"card-experts={model_shape(args)['n_experts'] // 4}"]
     return {
         "card": (["--place", "card"], "1,2"),
         "ncmoe36": (["--place", "n-cpu-moe=3" if args.tiny else "n-cpu-moe=36"], "1"),
@@ -245,6 +253,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu_out")))
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--variant-timeout", type=float, default=None, help="seconds one bench variant may run")
+    p.add_argument("--layers", type=int, default=None, help="the big model with this many layers (default 48)")
     p.add_argument("--kernels", default="auto", help="bench --kernels (reference | pallas | auto)")
     p.add_argument("--tiny", action="store_true", help="small models: check the flow on a CPU")
     p.add_argument("--only", type=lambda v: v.split(","), default=None,
