@@ -143,19 +143,19 @@ def _pack_for_kernels(params: dict, specs) -> dict:
     """
     import sys
 
-    from ..quant.repack import PACKABLE, repack_on_device
+    from ..quant.repack import repack_on_device
 
     roles = {s.name: s.role for s in specs}
     unserved = []
     for name, q in params.items():
         if roles.get(name) not in MATMUL_ROLES:
             continue
-        chunk = 128 if q.qtype == T.Q8_0 else 256
-        if T(q.qtype) in PACKABLE and q.shape[-1] % chunk == 0:
+        try:
             params[name] = repack_on_device(q.data, q.qtype, q.shape)
-            q.data.delete()  # the blocks are not needed twice on the card
-        else:
+        except ValueError:  # a type without a kernel, or rows not a whole number of chunks
             unserved.append(f"{name} ({T(q.qtype).name} {list(q.shape)})")
+        else:
+            q.data.delete()  # the blocks are not needed twice on the card
     if unserved:
         print(f"kernels=pallas: {len(unserved)} matmul weights have no kernel and run the reference path: "
               + ", ".join(unserved[:8]) + (" ..." if len(unserved) > 8 else ""), file=sys.stderr)

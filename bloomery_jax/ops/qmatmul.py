@@ -15,8 +15,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-# Imported eagerly: importing Pallas registers JAX config options, and a first import in the
-# middle of a run changes the tracing context, so every jitted step would compile again.
 from ..pallas.qgemv import qgemv
 from ..quant import QTensor, dequantize
 from ..quant.repack import PackedWeight, dequantize_packed
