@@ -34,12 +34,13 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf import GGMLQuantizationType as T
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bloomery_jax.pallas.qgemv import GemvConfig, qgemv, rounding_depth  # noqa: E402
 from bloomery_jax.quant import dequantize  # noqa: E402
 from bloomery_jax.quant.repack import dequantize_packed, repack, scale_magnitudes  # noqa: E402
+from bloomery_jax.synth.blocks import random_blocks  # noqa: E402
 
 HIGHEST = jax.lax.Precision.HIGHEST
 U = 2.0 ** -24
@@ -56,7 +57,7 @@ SHAPES = {
     "tiny": (64, 512),
 }
 FORMATS = [T.Q4_K, T.Q6_K, T.Q8_0, T.Q5_K]
-F16_FIELDS = {T.Q8_0: [0], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208]}
+WEIGHT_STD = 0.02  # random valid weights (synth.blocks.random_blocks); the bound is checked on them too
 C = GemvConfig
 
 
@@ -86,15 +87,6 @@ PLANS = {
          lambda: rows_small()[1:4], [1], False),
     ],
 }
-
-
-def random_blocks(qtype: T, n: int, k: int, rng) -> np.ndarray:
-    """Random GGUF bytes [n, row_bytes] with finite f16 scales (random quants and sub-scales)."""
-    elems, nbytes = GGML_QUANT_SIZES[qtype]
-    raw = rng.integers(0, 256, (n * (k // elems), nbytes), dtype=np.uint8)
-    for off in F16_FIELDS[qtype]:
-        raw[:, off:off + 2] = rng.uniform(1e-3, 1e-2, raw.shape[0]).astype("<f2").view(np.uint8).reshape(-1, 2)
-    return raw.reshape(n, -1)
 
 
 def copies(tree, r: int):
@@ -208,7 +200,7 @@ class Bench:
         a = self.args
         n, k = SHAPES[shape_name]
         rng = np.random.default_rng(n * 31 + k + int(qtype))
-        raw = random_blocks(qtype, n, k, rng)
+        raw = random_blocks(qtype, (n, k), WEIGHT_STD, rng)
         wbytes = raw.nbytes
         packed = {"rows": repack(raw, qtype, (n, k), "rows")}
         if with_planes:

@@ -35,34 +35,26 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf import GGMLQuantizationType as T
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bloomery_jax.ops.experts import moe_swiglu, swiglu  # noqa: E402
 from bloomery_jax.pallas.moe_gemv import GemvConfig, moe_gemv  # noqa: E402
 from bloomery_jax.quant import QTensor, dequantize  # noqa: E402
 from bloomery_jax.quant.repack import repack  # noqa: E402
+from bloomery_jax.synth.blocks import random_blocks  # noqa: E402
 
 HIGHEST = jax.lax.Precision.HIGHEST
-F16_FIELDS = {T.Q8_0: [0], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208]}  # byte offsets of f16 scales
+WEIGHT_STD = 0.02  # random weights (synth.blocks.random_blocks): only their speed is measured
 QWEN3_30B = dict(experts=128, ff=768, hidden=2048, top_k=8)
 SMOKE = dict(experts=8, ff=256, hidden=512, top_k=2)
-
-
-def random_blocks(qtype: T, rows: int, k: int, rng) -> np.ndarray:
-    """Random GGUF bytes [rows, row_bytes]: random quants and sub-scales, f16 scales in [1e-3, 1e-2]."""
-    elems, nbytes = GGML_QUANT_SIZES[qtype]
-    raw = rng.integers(0, 256, (rows * (k // elems), nbytes), dtype=np.uint8)
-    for off in F16_FIELDS[qtype]:
-        raw[:, off:off + 2] = rng.uniform(1e-3, 1e-2, raw.shape[0]).astype("<f2").view(np.uint8).reshape(-1, 2)
-    return raw.reshape(rows, -1)
 
 
 class Weight:
     """One expert tensor [E, N, K]: its GGUF bytes on the device, the QTensor, the planes repack."""
 
     def __init__(self, qtype: T, e: int, n: int, k: int, rng):
-        raw = random_blocks(qtype, e * n, k, rng).reshape(e, n, -1)
+        raw = random_blocks(qtype, (e, n, k), WEIGHT_STD, rng)
         self.qtype, self.shape = qtype, (e, n, k)
         self.expert_bytes = raw[0].nbytes
         self.qt = QTensor.from_numpy(raw, qtype, self.shape)
