@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ..quant.repack import PackedWeight
-from .qgemv import FORMATS, F32, _accumulate, _largest_divisor, _weight_fields
+from .qgemv import FORMATS, F32, _accumulate, _launch, _weight_fields
 from .qgemv_tuned import GemvConfig, pick_config
 
 __all__ = ["GemvConfig", "moe_gemv"]
@@ -96,12 +96,10 @@ def moe_gemv(x: jax.Array, w: PackedWeight, experts: jax.Array, *, config: GemvC
         raise ValueError(f"moe_gemv: x must be [P, {k}] and experts [P], got {x.shape} and {experts.shape}")
     cfg = config or pick_config("planes", qtype.name, n, k)
     fmt = FORMATS[qtype]
-    bn = _largest_divisor(n, cfg.block_n, pow2=True)
-    chunks = k // fmt.chunk
-    per_step = _largest_divisor(chunks, cfg.chunks_per_step, pow2=False)
+    bn, steps, per_step = _launch(fmt, n, k, cfg)
     arrays, specs = _operands(w, bn)
     n_pairs = x.shape[0]
-    kernel = functools.partial(_moe_kernel, fmt=fmt, n_experts=n_exp, steps=chunks // per_step, per_step=per_step)
+    kernel = functools.partial(_moe_kernel, fmt=fmt, n_experts=n_exp, steps=steps, per_step=per_step)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((n_pairs, n), F32),

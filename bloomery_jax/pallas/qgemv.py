@@ -180,16 +180,23 @@ def rounding_depth(layout: str, qtype, k: int, config: GemvConfig) -> int:
     return k // width + width
 
 
+def _launch(fmt: _Format, n: int, k: int, cfg: GemvConfig) -> tuple[int, int, int]:
+    """(rows per program, K-loop steps, chunks per step) for an ``[N, K]`` weight: ``cfg``'s
+    block_n and chunks_per_step shrunk to the largest divisors of N and K / chunk."""
+    bn = _largest_divisor(n, cfg.block_n, pow2=True)
+    chunks = k // fmt.chunk
+    per_step = _largest_divisor(chunks, cfg.chunks_per_step, pow2=False)
+    return bn, chunks // per_step, per_step
+
+
 def _planes_call(x2, w: PackedWeight, cfg: GemvConfig, interpret: bool) -> jax.Array:
     qtype = T(w.qtype)
     n, k = w.shape
     fmt = FORMATS[qtype]
-    bn = _largest_divisor(n, cfg.block_n, pow2=True)
-    chunks = k // fmt.chunk
-    per_step = _largest_divisor(chunks, cfg.chunks_per_step, pow2=False)
+    bn, steps, per_step = _launch(fmt, n, k, cfg)
     arrays, specs = _weight_operands(w, bn)
     nrows = x2.shape[0]
-    kernel = functools.partial(_kernel, fmt=fmt, nrows=nrows, steps=chunks // per_step, per_step=per_step)
+    kernel = functools.partial(_kernel, fmt=fmt, nrows=nrows, steps=steps, per_step=per_step)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((nrows, n), F32),
