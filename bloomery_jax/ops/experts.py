@@ -85,9 +85,15 @@ def moe_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate, up, d
     h = round_activations(h, weight_qtype(down), act_rounding)
     y = grouped_matmul(h, wd, group_sizes)  # [P, D]
     inv = jnp.argsort(order)  # [P]: sorted row of each token-major pair
-    y = y[inv].reshape(N, k, -1) * weights[:, :, None]  # [N, k, D]
+    return _weighted_sum(y[inv].reshape(N, k, -1), weights)
+
+
+def _weighted_sum(y: jax.Array, weights: jax.Array) -> jax.Array:
+    """``sum_j weights[n, j] * y[n, j]`` over ``y [N, k, D]``, added in routing order as
+    llama.cpp's chain of ``ggml_add`` does."""
+    y = y * weights[:, :, None]  # [N, k, D]
     out = y[:, 0]
-    for j in range(1, k):  # llama.cpp adds the k outputs one after another
+    for j in range(1, y.shape[1]):
         out = out + y[:, j]
     return out
 
@@ -103,11 +109,7 @@ def _moe_swiglu_gemv(x, experts, weights, gate, up, down, act_rounding):
     xu = round_activations(x, weight_qtype(up), act_rounding)[tok]
     h = swiglu(moe_gemv(xg, gate, flat, interpret=interpret), moe_gemv(xu, up, flat, interpret=interpret))  # [P, F]
     h = round_activations(h, weight_qtype(down), act_rounding)
-    y = moe_gemv(h, down, flat, interpret=interpret).reshape(N, k, -1) * weights[:, :, None]  # [N, k, D]
-    out = y[:, 0]
-    for j in range(1, k):  # the same order as the reference path
-        out = out + y[:, j]
-    return out
+    return _weighted_sum(moe_gemv(h, down, flat, interpret=interpret).reshape(N, k, -1), weights)  # [N, k, D] -> [N, D]
 
 
 def placed_moe_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate, up, down,
