@@ -1,11 +1,10 @@
 """The models with ``kernels="pallas"``: repacked weights and the Pallas decode kernels (run in
 the Pallas interpreter on the CPU) give the reference path's results.
 
-- Steps of more rows than the GEMV kernels take (prefill) dequantize the repacked weights,
-  which is bit-exact: logits identical to the reference path.
-- Decode steps (one token) run qgemv and moe_gemv, which sum in another order than XLA's dot:
-  the logits agree within 1e-4 x their standard deviation (the hybrid tests' bound; a wrong
-  weight or expert moves logits by about one std), and greedy tokens are identical.
+- Decode steps (one token) run qgemv and moe_gemv; prefill steps run moe_gemm for the experts
+  and dequantize the other repacked weights (bit-exact). The kernels sum in another order than
+  XLA's dot: the logits agree within 1e-4 x their standard deviation (the hybrid tests' bound; a
+  wrong weight or expert moves logits by about one std), and greedy tokens are identical.
 """
 
 from __future__ import annotations
@@ -39,17 +38,11 @@ def test_weights_are_repacked(q4km):
     assert "token_embd.weight" not in packed  # a row lookup, not a matmul
 
 
-def test_prefill_bit_identical(q4km):
-    ids = tokens(32)
-    ref = sequence_logits(load_model(q4km, kernels="reference", weights="blocks"), ids, ubatch=16)
-    got = sequence_logits(load_model(q4km, kernels="pallas"), ids, ubatch=16)
-    np.testing.assert_array_equal(got, ref)
-
-
-def test_decode_steps_within_bound(q4km):
-    ids = tokens(10, seed=1)
-    ref = sequence_logits(load_model(q4km, kernels="reference", weights="blocks"), ids, ubatch=1)
-    got = sequence_logits(load_model(q4km, kernels="pallas"), ids, ubatch=1)
+@pytest.mark.parametrize("n_tokens,ubatch", [(32, 16), (10, 1)], ids=["prefill", "decode"])
+def test_steps_within_bound(q4km, n_tokens, ubatch):
+    ids = tokens(n_tokens, seed=ubatch)
+    ref = sequence_logits(load_model(q4km, kernels="reference", weights="blocks"), ids, ubatch=ubatch)
+    got = sequence_logits(load_model(q4km, kernels="pallas"), ids, ubatch=ubatch)
     err, bound = np.abs(got - ref).max(), TOL * ref.std()
     print(f"max |dlogit| {err:.3g}, bound {bound:.3g}")
     assert err <= bound

@@ -11,22 +11,28 @@ Note: on the CPU backend XLA lowers ``ragged_dot`` to a masked dense product (E 
 FLOPs of the pairs). On the H200 (f32, HIGHEST) a 512-token prefill took ~99 ms a layer of the
 30B shape, which fits that dense product too, not a grouped GEMM (docs/LOG.md, 2026-12-03).
 
-Experts repacked for the Pallas kernels (``PackedWeight``) take the MoE GEMV kernel while the
-pairs are few (decode: at most ``MOE_GEMV_MAX_PAIRS`` and under half the experts): it reads
-only the chosen experts' bytes, where the reference path dequantizes every expert of the layer.
+Experts repacked for the Pallas kernels (``PackedWeight``) never take the reference path: the
+MoE GEMV kernel while the pairs are few (decode: at most ``MOE_GEMV_MAX_PAIRS`` and under half
+the experts; it reads only the chosen experts' bytes), else the grouped GEMM (prefill: pairs
+sorted into whole tiles of one expert each, products on the tensor cores). Neither dequantizes
+a weight outside the kernel.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
+from ..pallas.moe_gemm import GemmConfig, moe_gemm, plan_tiles
 from ..pallas.moe_gemv import moe_gemv
 from ..quant.repack import PackedWeight
 from .actquant import round_activations
 from .qmatmul import as_f32, interpret_kernels, weight_qtype
 
 MOE_GEMV_MAX_PAIRS = 64
+MOE_GEMM_CONFIG = GemmConfig()  # launch parameters and product precision of the prefill kernel
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -72,6 +78,8 @@ def moe_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate, up, d
     N, k = experts.shape
     if isinstance(gate, PackedWeight) and N * k <= min(MOE_GEMV_MAX_PAIRS, gate.shape[0] // 2):
         return _moe_swiglu_gemv(x, experts, weights, gate, up, down, act_rounding)
+    if isinstance(gate, PackedWeight):
+        return _moe_swiglu_gemm(x, experts, weights, gate, up, down, act_rounding)
     wg, wu, wd = as_f32(gate), as_f32(up), as_f32(down)
     n_exp = wg.shape[0]
     flat = experts.reshape(N * k)  # [P] pairs, token-major
@@ -110,6 +118,22 @@ def _moe_swiglu_gemv(x, experts, weights, gate, up, down, act_rounding):
     h = swiglu(moe_gemv(xg, gate, flat, interpret=interpret), moe_gemv(xu, up, flat, interpret=interpret))  # [P, F]
     h = round_activations(h, weight_qtype(down), act_rounding)
     return _weighted_sum(moe_gemv(h, down, flat, interpret=interpret).reshape(N, k, -1), weights)  # [N, k, D] -> [N, D]
+
+
+def _moe_swiglu_gemm(x, experts, weights, gate, up, down, act_rounding, config=MOE_GEMM_CONFIG):
+    """:func:`moe_swiglu` for many pairs with the Pallas grouped GEMM (packed weights)."""
+    N, k = experts.shape
+    interpret = interpret_kernels()
+    plan = plan_tiles(experts.reshape(N * k), gate.shape[0], config.block_m)
+    tok = plan.rows // k  # [M] token of each tiled row
+    x = x.astype(jnp.float32)
+    xg = round_activations(x, weight_qtype(gate), act_rounding)[tok]  # [M, D]
+    xu = round_activations(x, weight_qtype(up), act_rounding)[tok]
+    gemm = functools.partial(moe_gemm, tile_experts=plan.tile_experts, config=config, interpret=interpret)
+    h = swiglu(gemm(xg, gate), gemm(xu, up))  # [M, F]
+    h = round_activations(h, weight_qtype(down), act_rounding)
+    y = gemm(h, down)[plan.dest]  # [P, D] in pair (token-major) order
+    return _weighted_sum(y.reshape(N, k, -1), weights)
 
 
 def placed_moe_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate, up, down,

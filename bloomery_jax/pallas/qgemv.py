@@ -48,7 +48,7 @@ __all__ = ["GemvConfig", "pick_config", "qgemv", "rounding_depth"]
 class _Format:
     chunk: int  # elements of a row per chunk
     width: int  # columns W of a plane tile (= accumulator width)
-    body: object  # (c, x_ref, refs, accs, nb) -> accs: one chunk c into the accumulators
+    planes: object  # (c, refs) -> iterable of (col, w): chunk c's float32 [BN, W] tiles, w = columns col..col+W
 
 
 def _as_f32(q: jax.Array, offset: float = TWO23) -> jax.Array:
@@ -65,18 +65,17 @@ def _fma_rows(accs, w, x_ref, col, width):
     return tuple(out)
 
 
-def _q8_0_body(c, x_ref, refs, accs):
+def _q8_0_planes(c, refs):
     qs_ref, d_ref = refs  # [BN, K/4] int32, [K/32, BN] f16
     words = qs_ref[:, pl.ds(c * 32, 32)]  # [BN, 32]: byte p of word j = block 4c+p, element j
     for p in range(4):
         d = d_ref[c * 4 + p, :].astype(F32)  # [BN]
         # XOR 0x80 maps the int8 byte to q + 128 in 0..255, then subtract it back in float
         q = _as_f32(((words >> (8 * p)) & 0xFF) ^ 0x80, TWO23 + 128.0)
-        accs = _fma_rows(accs, d[:, None] * q, x_ref, c * 128 + p * 32, 32)
-    return accs
+        yield c * 128 + p * 32, d[:, None] * q
 
 
-def _k4_body(c, x_ref, refs, accs, with_qh):
+def _k4_planes(c, refs, with_qh):
     qs_ref, sc_ref, dm_ref, *qh_ref = refs  # [BN, K/8] i32, [G, 3, BN] i32, [G, 2, BN] f16, [BN, K/8] u8
     words = qs_ref[:, pl.ds(c * 32, 32)]  # [BN, 32]: nibble p of word j = sub-block p, element j
     if with_qh:
@@ -89,12 +88,10 @@ def _k4_body(c, x_ref, refs, accs, with_qh):
         q = (words >> (4 * p)) & 0xF
         if with_qh:
             q = q | (((qh >> p) & 1) << 4)
-        w = dl[:, None] * _as_f32(q) - ml[:, None]  # [BN, 32]
-        accs = _fma_rows(accs, w, x_ref, c * 256 + p * 32, 32)
-    return accs
+        yield c * 256 + p * 32, dl[:, None] * _as_f32(q) - ml[:, None]  # [BN, 32]
 
 
-def _q6_k_body(c, x_ref, refs, accs):
+def _q6_k_planes(c, refs):
     qs_ref, qh_ref, sc_ref, d_ref = refs  # [BN, K/8] i32, [BN, K/16] i32, [G, 4, BN] i32, [G, BN] f16
     hi = qh_ref[:, pl.ds(c * 16, 16)]  # [BN, 16]: bits 16h+2p.. = high 2 bits of (h, p, j)
     scw = [sc_ref[c, i, :] for i in range(4)]  # [BN] words of four int8 scales
@@ -106,16 +103,14 @@ def _q6_k_body(c, x_ref, refs, accs):
             sc = (scw[s // 4] << (24 - 8 * (s % 4))) >> 24  # sign-extended int8 (arithmetic shift)
             dl = d * sc.astype(F32)  # [BN]
             q = ((words >> (4 * p)) & 0xF) | (((hi >> (16 * h + 2 * p)) & 3) << 4)
-            w = dl[:, None] * _as_f32(q, TWO23 + 32.0)  # quants are stored biased by 32
-            accs = _fma_rows(accs, w, x_ref, c * 256 + h * 128 + p * 16, 16)
-    return accs
+            yield c * 256 + h * 128 + p * 16, dl[:, None] * _as_f32(q, TWO23 + 32.0)  # quants biased by 32
 
 
 FORMATS = {
-    T.Q8_0: _Format(128, 32, _q8_0_body),
-    T.Q4_K: _Format(256, 32, functools.partial(_k4_body, with_qh=False)),
-    T.Q5_K: _Format(256, 32, functools.partial(_k4_body, with_qh=True)),
-    T.Q6_K: _Format(256, 16, _q6_k_body),
+    T.Q8_0: _Format(128, 32, _q8_0_planes),
+    T.Q4_K: _Format(256, 32, functools.partial(_k4_planes, with_qh=False)),
+    T.Q5_K: _Format(256, 32, functools.partial(_k4_planes, with_qh=True)),
+    T.Q6_K: _Format(256, 16, _q6_k_planes),
 }
 
 
@@ -129,7 +124,8 @@ def _accumulate(x_ref, w_refs, *, fmt: _Format, bn: int, nrows: int, steps: int,
 
     def step(i, accs):
         for u in range(per_step):  # unrolled: the loads of all chunks of a step issue together
-            accs = fmt.body(i * per_step + u, x_ref, w_refs, accs)
+            for col, w in fmt.planes(i * per_step + u, w_refs):
+                accs = _fma_rows(accs, w, x_ref, col, fmt.width)
         return accs
 
     accs = jax.lax.fori_loop(0, steps, step, accs)

@@ -1,0 +1,115 @@
+"""pallas.moe_gemm (Pallas interpret mode on the CPU) and its tile plan, against a float64 reference.
+
+Tolerance: the kernel forms every weight exactly (the ``qgemv`` plane bodies) and adds, per
+output, K / W dot products of W terms each, so its rounding depth is at most K / W + W, the
+planes GEMV's (``qgemv.rounding_depth``); ``errors`` of tests/test_pallas_moe_gemv.py states
+the bound. The interpreter computes every product at f32 HIGHEST; the lower-precision passes
+(tf32x3, bf16x3, ...) are only lowered here and are measured on the GPU (scripts/kernel_bench.py).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
+
+from bloomery_jax.pallas.moe_gemm import GemmConfig, moe_gemm, plan_tiles
+from bloomery_jax.quant.repack import PACKABLE, repack
+from test_pallas_moe_gemv import errors, stacked
+from test_pallas_qgemv import weight
+
+CFG = GemmConfig(block_m=16, block_n=16, num_warps=4, num_stages=2, precision="ieee")
+DEPTH_CFG = None  # errors() only reads the layout's depth, which needs no launch parameters
+
+
+def grouped(x, pw, experts, cfg):
+    """Pairs through a tile plan and the kernel, back in pair order: [P, N]."""
+    plan = plan_tiles(experts, pw.shape[0], cfg.block_m)
+    return moe_gemm(x[plan.rows], pw, plan.tile_experts, config=cfg, interpret=True)[plan.dest]
+
+
+@pytest.mark.parametrize("n_pairs,n_experts,block_m", [(40, 6, 16), (5, 8, 16), (64, 4, 32), (1, 3, 16)])
+def test_plan_groups_pairs_by_expert_in_whole_tiles(n_pairs, n_experts, block_m):
+    rng = np.random.default_rng(n_pairs)
+    experts = rng.integers(0, n_experts, n_pairs)
+    plan = jax.tree.map(np.asarray, plan_tiles(jnp.asarray(experts, jnp.int32), n_experts, block_m))
+    assert len(set(plan.dest)) == n_pairs  # every pair has a row of its own
+    np.testing.assert_array_equal(plan.rows[plan.dest], np.arange(n_pairs))
+    np.testing.assert_array_equal(plan.tile_experts[plan.dest // block_m], experts)  # a tile holds one expert
+    used = np.unique(plan.dest // block_m)
+    assert (plan.tile_experts[np.setdiff1d(np.arange(len(plan.tile_experts)), used)] == -1).all()
+    sizes = np.bincount(experts, minlength=n_experts)
+    assert len(used) == sum(-(-s // block_m) for s in sizes)  # no tile wasted beyond each group's padding
+
+
+@pytest.mark.parametrize("qtype", PACKABLE, ids=lambda t: t.name)
+def test_matches_reference(qtype):
+    # E=6 (not a power of two), 40 pairs in scrambled order: groups of several tiles, one expert unused
+    rng = np.random.default_rng(int(qtype))
+    raw, pw, w64 = stacked(qtype, 6, 32, 512, rng)
+    experts = jnp.asarray(rng.choice([0, 1, 2, 4, 5], 40, p=[0.5, 0.2, 0.1, 0.1, 0.1]), jnp.int32)
+    x = jnp.asarray(rng.standard_normal((40, 512)), jnp.float32)
+    y = grouped(x, pw, experts, CFG)
+    assert y.shape == (40, 32) and y.dtype == jnp.float32
+    assert errors(y, x, w64, experts, qtype, DEPTH_CFG).max() <= 1.0
+
+
+def test_bound_catches_a_wrong_expert():
+    # guards the test: the right outputs judged against another expert fail the bound everywhere
+    rng = np.random.default_rng(11)
+    raw, pw, w64 = stacked(T.Q4_K, 4, 32, 512, rng)
+    experts = jnp.asarray(rng.integers(0, 4, 24), jnp.int32)
+    x = jnp.asarray(rng.standard_normal((24, 512)), jnp.float32)
+    y = grouped(x, pw, experts, GemmConfig(block_m=16, block_n=32, precision="ieee"))
+    assert errors(y, x, w64, experts, T.Q4_K, DEPTH_CFG).max() <= 1.0
+    wrong = experts.at[5].set((experts[5] + 1) % 4)
+    ratio = errors(y, x, w64, wrong, T.Q4_K, DEPTH_CFG)
+    assert (ratio[5] > 1.0).all(), ratio[5].min()
+    assert (np.delete(ratio, 5, axis=0) <= 1.0).all()
+
+
+def test_bad_inputs_raise():
+    _, pw, _ = stacked(T.Q4_K, 4, 16, 256, np.random.default_rng(0))
+    with pytest.raises(ValueError, match=r"x must be \[M, 256\] with M a multiple of 16"):
+        moe_gemm(jnp.zeros((24, 256)), pw, jnp.zeros(1, jnp.int32), config=CFG, interpret=True)
+    with pytest.raises(ValueError, match="precision 'fp8'"):
+        moe_gemm(jnp.zeros((16, 256)), pw, jnp.zeros(1, jnp.int32), config=GemmConfig(precision="fp8"),
+                 interpret=True)
+    rows = repack(np.zeros((4, 16, 144), np.uint8), T.Q4_K, (4, 16, 256), "rows")
+    with pytest.raises(ValueError, match="needs a 3-D planes-layout"):
+        moe_gemm(jnp.zeros((16, 256)), rows, jnp.zeros(1, jnp.int32), config=CFG, interpret=True)
+
+
+@pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
+@pytest.mark.parametrize("qtype,precision", [(q, "tf32x3") for q in PACKABLE] + [
+    (T.Q4_K, p) for p in ("ieee", "tf32", "bf16x3", "bf16")], ids=lambda v: getattr(v, "name", v))
+def test_lowers_to_triton_for_h200(qtype, precision, monkeypatch):
+    """Lower (no GPU needed) for an abstract H200: a verified Triton module for sm_90."""
+    from jax._src.pallas.triton import pallas_call_registration as reg  # private: the hook is test-only
+
+    built = []
+    original = reg.lowering.lower_jaxpr_to_triton_module
+
+    def verified(*args, **kwargs):
+        result = original(*args, **kwargs)
+        op = result.module.operation
+        built.append((str(op.attributes["sym_name"]).strip('"'), args[3], op.verify()))
+        return result
+
+    monkeypatch.setattr(reg.lowering, "lower_jaxpr_to_triton_module", verified)
+    jax.clear_caches()  # a lowering cached by an earlier test would skip the hook
+    e, n, k = 6, 128, 512
+    raw = np.stack([weight(qtype, n, k, np.random.default_rng(0)) for _ in range(e)])
+    pw = repack(raw, qtype, (e, n, k))
+    x = jax.ShapeDtypeStruct((64, k), jnp.float32)
+    tiles = jax.ShapeDtypeStruct((2,), jnp.int32)
+    cfg = GemmConfig(precision=precision)
+    h200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+    with use_abstract_mesh(AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=h200)):
+        lowered = jax.jit(lambda x, w, t: moe_gemm(x, w, t, config=cfg)).trace(x, pw, tiles).lower(
+            lowering_platforms=("cuda",))
+    assert "__gpu$xla.gpu.triton" in lowered.as_text()
+    assert built == [(f"moe_gemm_{qtype.name.lower()}", 90, True)]
