@@ -1,0 +1,120 @@
+"""MoE prefill bench: one layer's experts for T tokens routed top-k, the grouped GEMM against the reference.
+
+At Qwen3-30B-A3B expert shapes (E=128, gate/up [E, 768, 2048] Q4_K, down [E, 2048, 768] Q6_K,
+top-8), T tokens each routed to k distinct random experts (P = T k pairs):
+
+  reference   ``ops.experts.moe_swiglu`` on QTensor weights: every expert dequantized, then
+              ``ragged_dot_general`` in f32 at HIGHEST (the path prefill took before moe_gemm).
+  moe_gemm    ``ops.experts._moe_swiglu_gemm`` on planes-repacked weights, one row per launch
+              configuration (block_m, block_n, num_warps, num_stages, precision).
+
+Each row: median layer time over --reps samples of --calls back-to-back calls (cycling through
+--sets routings), TFLOP/s of the pairs' useful work (P x 3 projections x 2 D F), and
+max_rel_diff = max |y - y_ref| / max |y_ref| against the reference on the same routing.
+Prints one JSON line.
+
+  python scripts/moe_prefill_bench.py                       # GPU: T = 512, the default sweep
+  python scripts/moe_prefill_bench.py --tokens 128,512,2048 --configs 32,64,4,2,tf32x3
+  python scripts/moe_prefill_bench.py --interpret           # CPU smoke run, small shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from gguf import GGMLQuantizationType as T
+
+from moe_decode_bench import QWEN3_30B, SMOKE, Weight, median_us
+from bloomery_jax.ops.experts import _moe_swiglu_gemm, moe_swiglu
+from bloomery_jax.pallas.moe_gemm import GemmConfig
+
+# (block_m, block_n, num_warps, num_stages, precision): precisions at one tile, then tiles at tf32x3
+DEFAULT_SWEEP = [
+    (32, 64, 4, 2, "ieee"), (32, 64, 4, 2, "tf32x3"), (32, 64, 4, 2, "tf32"), (32, 64, 4, 2, "bf16x3"),
+    (32, 64, 4, 2, "bf16"),
+    (16, 64, 4, 2, "tf32x3"), (64, 64, 4, 2, "tf32x3"), (32, 128, 4, 2, "tf32x3"), (64, 128, 8, 2, "tf32x3"),
+    (32, 64, 4, 3, "tf32x3"), (16, 128, 4, 2, "tf32x3"), (64, 32, 4, 2, "tf32x3"),
+]
+
+
+def parse_config(text: str) -> GemmConfig:
+    bm, bn, warps, stages, precision = text.split(",")
+    return GemmConfig(int(bm), int(bn), int(warps), int(stages), precision)
+
+
+def run(n_tok: int, dims: dict, weights: tuple, configs: list[GemmConfig], a, rng) -> dict:
+    e, top_k, d, f = dims["experts"], dims["top_k"], dims["hidden"], dims["ff"]
+    pairs = n_tok * top_k
+    flop = pairs * 3 * 2 * d * f
+    x = jnp.asarray(rng.standard_normal((n_tok, d)), jnp.float32)
+    wt = jnp.asarray(rng.dirichlet(np.ones(top_k), n_tok), jnp.float32)  # [T, k]
+    sets = [jnp.asarray(np.stack([rng.permutation(e)[:top_k] for _ in range(n_tok)]), jnp.int32)
+            for _ in range(a.sets)]
+    out = dict(tokens=n_tok, pairs=pairs, gflop=round(flop / 1e9, 2))
+    ref_fn = jax.jit(moe_swiglu)
+    qts = tuple(w.qt for w in weights)
+    ref = np.asarray(ref_fn(x, sets[0], wt, *qts), np.float64)
+    if not a.skip_reference:
+        us = median_us(ref_fn, [(x, s, wt, *qts) for s in sets], a.reps, a.calls)
+        out["reference"] = dict(layer_ms=round(us / 1e3, 3), TFLOPs=round(flop / us / 1e6, 2))
+    rows = []
+    packed = tuple(w.packed for w in weights)
+    for cfg in configs:
+        row = dict(config=[cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.precision])
+        try:
+            fn = jax.jit(lambda x, ex, wt, g, u, dn, cfg=cfg: _moe_swiglu_gemm(x, ex, wt, g, u, dn, "none", cfg))
+            y = np.asarray(fn(x, sets[0], wt, *packed), np.float64)
+            us = median_us(fn, [(x, s, wt, *packed) for s in sets], a.reps, a.calls)
+            row.update(layer_ms=round(us / 1e3, 3), TFLOPs=round(flop / us / 1e6, 2),
+                       max_rel_diff=float(np.abs(y - ref).max() / np.abs(ref).max()))
+        except Exception as err:  # a launch configuration the compiler refuses: say so, go on
+            row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    out["moe_gemm"] = rows
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", default="512", help="comma list of token counts T")
+    p.add_argument("--configs", nargs="*", default=None,
+                   help="launch configurations block_m,block_n,num_warps,num_stages,precision "
+                        "(default: a sweep of precisions and tiles)")
+    p.add_argument("--reps", type=int, default=10, help="timing samples; the median is reported")
+    p.add_argument("--calls", type=int, default=5, help="back-to-back calls per sample")
+    p.add_argument("--sets", type=int, default=4, help="random routings the calls cycle through")
+    p.add_argument("--skip-reference", action="store_true", help="do not time the reference (it is slow)")
+    p.add_argument("--interpret", action="store_true", help="CPU smoke run: Pallas interpreter, small shapes")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
+    configs = [parse_config(c) for c in a.configs] if a.configs else [GemmConfig(*c) for c in DEFAULT_SWEEP]
+    if a.interpret:
+        a.reps, a.calls, a.sets = min(a.reps, 2), min(a.calls, 1), min(a.sets, 1)
+        if a.tokens == p.get_default("tokens"):
+            a.tokens = "16"
+        if not a.configs:
+            configs = [GemmConfig(16, 32, 4, 2, "ieee")]
+    dims = SMOKE if a.interpret else QWEN3_30B
+    rng = np.random.default_rng(a.seed)
+    t0 = time.perf_counter()
+    e, f, d = dims["experts"], dims["ff"], dims["hidden"]
+    weights = (Weight(T.Q4_K, e, f, d, rng), Weight(T.Q4_K, e, f, d, rng), Weight(T.Q6_K, e, d, f, rng))
+    build_s = time.perf_counter() - t0
+    runs = [run(int(v), dims, weights, configs, a, rng) for v in a.tokens.split(",")]
+    print(json.dumps(dict(
+        bench="moe_prefill", device=str(jax.devices()[0].device_kind), jax=jax.__version__, interpret=a.interpret,
+        shapes=dict(**dims, gate_up=[e, f, d], down=[e, d, f], gate_up_type="Q4_K", down_type="Q6_K"),
+        reps=a.reps, calls=a.calls, sets=a.sets, build_s=round(build_s, 1),
+        total_s=round(time.perf_counter() - t0, 1), runs=runs)))
+
+
+if __name__ == "__main__":
+    main()
