@@ -243,6 +243,22 @@ def test_prefill_then_decode_equals_one_pass(small):
     assert float(jnp.max(jnp.abs(inc - full))) <= 1e-5 * float(jnp.std(full))
 
 
+@pytest.mark.parametrize("softcap", [0.0, 5.0])  # uncapped logits reach about 4.5: a cap of 5 bends them
+def test_logits_at_gives_those_rows_of_the_full_logits(small, softcap):
+    cfg = dataclasses.replace(small.cfg, final_logit_softcap=softcap)  # the cap applies to the kept rows alike
+    f = small.module.jit_forward
+    B, T = 2, 20
+    toks = np.random.default_rng(3).integers(0, cfg.n_vocab, (B, T)).astype(np.int32)
+    pos = np.broadcast_to(np.arange(T, dtype=np.int32), (B, T))
+    full = np.asarray(f(small.params, cfg, toks, pos, small.init_cache(B, T))[0])
+    for rows in ([[19], [6]], [[3, 0, 19], [12, 12, 7]]):  # prefill's one row; several, unsorted, per sequence
+        idx = np.asarray(rows, np.int32)  # [B, R]
+        some, cache, _ = f(small.params, cfg, toks, pos, small.init_cache(B, T), logits_at=idx)
+        assert some.shape == (B, idx.shape[1], cfg.n_vocab) and cache.lengths.tolist() == [T, T]
+        # The same norm, per-row dot products and cap on the gathered rows: bit for bit.
+        np.testing.assert_array_equal(np.asarray(some), np.take_along_axis(full, idx[:, :, None], axis=1))
+
+
 def test_local_layer_sees_exactly_the_window(tmp_path):
     # One local layer: the logits at p depend on tokens p-W+1..p and on nothing older.
     cfg = gemma3.Config(**{**SMALL, "n_layers": 1, "swa_layers": (True,)})

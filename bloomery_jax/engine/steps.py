@@ -1,9 +1,9 @@
 """The jitted step functions: a prefill chunk of one sequence, a decode step of a batch bucket.
 
 Contract. Both wrap a model forward ``forward(params, cfg, tokens [B, T], positions [B, T],
-cache, placement) -> (logits [B, T, V], cache, routing)`` whose cache argument is a
-:class:`~bloomery_jax.engine.cache.SlotCache` window, sample on the device, and return the
-cache and sampler state, which are donated (updated in place):
+cache, placement, logits_at=None | [B, R]) -> (logits [B, T, V] | [B, R, V], cache, routing)``
+whose cache argument is a :class:`~bloomery_jax.engine.cache.SlotCache` window, sample on the
+device, and return the cache and sampler state, which are donated (updated in place):
 
 - ``prefill(params, cache, sampler, placement, tokens [1, T], positions [1, T], slot, last,
   final)``: one chunk of slot ``slot``'s pending tokens, padded to T with positions ``S``;
@@ -70,8 +70,10 @@ _DONATE = ("cache", "sampler")
 def _prefill(forward, cfg, n_top, params, cache: SlotCache, sampler, placement, tokens, positions, slot, last,
              final):
     n_slots = cache.n_slots
-    logits, view, routing = forward(params, cfg, tokens, positions, cache.window(slot, 1), placement)
-    row_logits = jax.lax.dynamic_slice_in_dim(logits[0], last, 1, axis=0)  # [1, V]
+    # Only row ``last`` is sampled: the model computes logits for that row alone, not [1, T, V].
+    logits, view, routing = forward(params, cfg, tokens, positions, cache.window(slot, 1), placement,
+                                    logits_at=jnp.reshape(last, (1, 1)))  # [1, 1, V]
+    row_logits = logits[0]  # [1, V]
     out = sampling.sample(row_logits, sampling.take_rows(sampler, slot, 1), n_top)
     sampler = sampling.advance(sampler, out.token, jnp.reshape(final, (1,)), start=slot)
     return view.window(0, n_slots), sampler, out, row_logits, routing

@@ -287,8 +287,8 @@ def _ffn(params, cfg: Config, i: int, h):
     return qmatmul(geglu(gate, up), params[b + "ffn_down.weight"], ar)  # [B, T, D]
 
 
-def forward(params, cfg: Config, tokens, positions, cache: KVCache, placement=None):
-    """One step over new tokens of B sequences: logits of every token, the updated cache, ``None``.
+def forward(params, cfg: Config, tokens, positions, cache: KVCache, placement=None, logits_at=None):
+    """One step over new tokens of B sequences: logits, the updated cache, ``None``.
 
     Args:
       params: dict GGUF tensor name → QTensor or float array (``models.loader.load_model``).
@@ -298,8 +298,11 @@ def forward(params, cfg: Config, tokens, positions, cache: KVCache, placement=No
         are stored in cache slot = position (positions ``>= S`` are padding: not stored).
       cache: KVCache holding ``[L, B, S, Hkv, Dh]`` keys/values of earlier steps.
       placement: accepted and unused: a dense model has no experts to place.
+      logits_at: None for the logits of every token, or int32 ``[B, R]``: indices into the T
+        axis (each in ``[0, T)``) of the rows that need logits (prefill samples from one).
     Returns:
-      logits float32 ``[B, T, V]``, the new KVCache, and ``None`` for the routing (no router).
+      logits float32 ``[B, T, V]`` (``[B, R, V]`` with ``logits_at``), soft-capped when the
+      model says so, the new KVCache, and ``None`` for the routing (no router).
     """
     del placement
     tokens = jnp.asarray(tokens, jnp.int32)
@@ -319,9 +322,11 @@ def forward(params, cfg: Config, tokens, positions, cache: KVCache, placement=No
         x = x + _norm(params, b + "post_attention_norm.weight", a, cfg)
         f = _ffn(params, cfg, i, _norm(params, b + "ffn_norm.weight", x, cfg))
         x = x + _norm(params, b + "post_ffw_norm.weight", f, cfg)
+    if logits_at is not None:  # only the rows asked for go through the norm, the V-wide output matmul and the cap
+        x = jnp.take_along_axis(x, jnp.asarray(logits_at, jnp.int32)[:, :, None], axis=1)  # [B, R, D]
     x = _norm(params, "output_norm.weight", x, cfg)
     out_w = params.get("output.weight", params["token_embd.weight"])  # tied when output is absent
-    logits = qmatmul(x, out_w, cfg.act_rounding)  # [B, T, V]
+    logits = qmatmul(x, out_w, cfg.act_rounding)  # [B, T or R, V]
     if cfg.final_logit_softcap:
         c = jnp.float32(cfg.final_logit_softcap)
         logits = jnp.tanh(logits / c) * c

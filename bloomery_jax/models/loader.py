@@ -29,7 +29,7 @@ from .spec import check_tensors
 
 @dataclasses.dataclass(eq=False)
 class Model:
-    """A loaded model: ``module.forward(params, cfg, tokens, positions, cache, placement)`` runs it.
+    """A loaded model: ``module.forward(params, cfg, tokens, positions, cache, placement, logits_at=None)`` runs it.
 
     ``params`` and ``placement`` are the live state of the card: adaptive residency replaces
     expert buffers in ``params`` (in place, donated) and the ``placement`` table together.

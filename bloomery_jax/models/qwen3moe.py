@@ -248,8 +248,8 @@ def _moe_block(params, cfg: Config, i: int, x, placement):
     return x + y.reshape(B, T, D), (experts.reshape(B, T, k), weights.reshape(B, T, k), margin.reshape(B, T))
 
 
-def forward(params, cfg: Config, tokens, positions, cache: KVCache, placement=None):
-    """One step over new tokens of B sequences: logits of every token, the updated cache, the routing.
+def forward(params, cfg: Config, tokens, positions, cache: KVCache, placement=None, logits_at=None):
+    """One step over new tokens of B sequences: logits, the updated cache, the routing.
 
     Args:
       params: dict GGUF tensor name → QTensor (from ``models.loader.load_model``).
@@ -260,8 +260,11 @@ def forward(params, cfg: Config, tokens, positions, cache: KVCache, placement=No
       cache: KVCache holding ``[L, B, S, Hkv, Dh]`` keys/values of earlier steps.
       placement: a ``placement.Placement`` (which card slot or the host computes each expert),
         or None when every expert is on the card in id order.
+      logits_at: None for the logits of every token, or int32 ``[B, R]``: indices into the T
+        axis (each in ``[0, T)``) of the rows that need logits (prefill samples from one).
     Returns:
-      logits float32 ``[B, T, V]``, the new KVCache, and a Routing.
+      logits float32 ``[B, T, V]`` (``[B, R, V]`` with ``logits_at``), the new KVCache, and a
+      Routing (of every token either way).
     """
     tokens = jnp.asarray(tokens, jnp.int32)
     positions = jnp.asarray(positions, jnp.int32)
@@ -274,9 +277,11 @@ def forward(params, cfg: Config, tokens, positions, cache: KVCache, placement=No
         x, cache = _attention_block(params, cfg, i, x, cos, sin, positions, cache, mask)
         x, route = _moe_block(params, cfg, i, x, placement)
         routes.append(route)
+    if logits_at is not None:  # only the rows asked for go through the norm and the V-wide output matmul
+        x = jnp.take_along_axis(x, jnp.asarray(logits_at, jnp.int32)[:, :, None], axis=1)  # [B, R, D]
     x = rms_norm(x, as_f32(params["output_norm.weight"]), cfg.rms_eps)
     out_w = params.get("output.weight", params["token_embd.weight"])  # tied when output is absent
-    logits = qmatmul(x, out_w, cfg.act_rounding)  # [B, T, V]
+    logits = qmatmul(x, out_w, cfg.act_rounding)  # [B, T or R, V]
     routing = Routing(*(jnp.stack(parts) for parts in zip(*routes)))
     return logits, cache, routing
 
