@@ -17,6 +17,7 @@ warm, so /tmp/bloomery keeps the synthesized model between them):
              per layer on the card without residency, with LFU swaps, and with prompt streaming.
   host       THERE: host-expert kernel GB/s against the host's read bandwidth, and the bridge's
              per-call overhead (scripts/host_bench.py, scripts/bridge_bench.py).
+  compare    ratios of our bench records to llama-bench's in --out (compare.json).
   llamacpp   THERE: llama-bench on the same file, all layers on the card and -ncmoe 36
              (needs `bash ../shared/tools/llamacpp_gpu.sh prepare` here first, then .baseline/
              carried; the build takes ~4-8 minutes, so run `build` as its own call).
@@ -243,8 +244,30 @@ def stage_llamacpp(args) -> None:
     write_json(args.out, "llamacpp.json", results)
 
 
+def stage_compare(args) -> None:
+    """HERE or THERE: ratios of our bench to llama-bench from the JSON in --out (median tok/s;
+    llama-bench's mean over its repetitions, as it reports)."""
+    ours = {}
+    for path in sorted(args.out.glob("bench-*.json")):
+        for r in json.loads(path.read_text())["records"]:
+            ours[(path.stem, r["test"], r["parallel"])] = r["tps_median"]
+    theirs = {}
+    for name, run in json.loads((args.out / "llamacpp.json").read_text()).items():
+        for r in run["records"] if isinstance(run["records"], list) else []:
+            theirs[(name, f"pp{r['n_prompt']}" if r["n_prompt"] else f"tg{r['n_gen']}")] = r["avg_ts"]
+    pairs = {"bench-card-pallas": "all-card", "bench-ncmoe36-pallas": "ncmoe36"}
+    rows = [dict(ours=stem, llamacpp=pairs[stem], test=test, parallel=par, ours_tps=round(tps, 1),
+                 llamacpp_tps=round(theirs[(pairs[stem], test)], 1), ratio=round(tps / theirs[(pairs[stem], test)], 3))
+            for (stem, test, par), tps in ours.items() if stem in pairs and (pairs[stem], test) in theirs]
+    for r in rows:
+        print(f"{r['ours']:22s} p{r['parallel']} {r['test']:6s} ours {r['ours_tps']:8.1f}  "
+              f"llama.cpp {r['llamacpp_tps']:8.1f}  ratio {r['ratio']:.3f}")
+    write_json(args.out, "compare.json", rows)
+
+
 STAGES = {"oracle": stage_oracle, "precision": stage_precision, "model": stage_model, "bench": stage_bench,
-          "host": stage_host, "llamacpp": stage_llamacpp}
+          "host": stage_host, "llamacpp": stage_llamacpp,
+          "compare": stage_compare}
 
 
 def main(argv=None) -> int:
