@@ -49,6 +49,16 @@ def test_steps_within_bound(q4km, n_tokens, ubatch):
     np.testing.assert_array_equal(got.argmax(-1), ref.argmax(-1))
 
 
+def test_layer_without_card_experts(q4km):
+    # n-cpu-moe=1: layer 0 keeps an empty [0, F, D] card tensor (its repack is empty), layer 1 the kernels
+    ids = tokens(12, seed=3)
+    model = load_model(q4km, kernels="pallas", place="n-cpu-moe=1")
+    assert model.params["blk.0.ffn_gate_exps.weight"].shape[0] == 0
+    ref = sequence_logits(load_model(q4km, kernels="reference", place="n-cpu-moe=1"), ids, ubatch=8)
+    got = sequence_logits(model, ids, ubatch=8)
+    assert np.abs(got - ref).max() <= TOL * ref.std()
+
+
 def test_unserved_weights_are_named(synth_model, capsys):
     f32 = synth_model(qtype="F32", seed=5, **SHAPE)[0]
     model = load_model(f32, kernels="pallas")

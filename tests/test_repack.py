@@ -121,3 +121,21 @@ def test_device_repack_equals_numpy(qtype):
                 a, b = np.asarray(a), np.asarray(b)
                 assert a.dtype == b.dtype and a.shape == b.shape, (field, a.dtype, b.dtype, a.shape, b.shape)
                 assert (a.view(np.uint8) == b.view(np.uint8)).all(), field
+
+
+@pytest.mark.parametrize("qtype", PACKABLE, ids=lambda t: t.name)
+def test_device_repack_of_no_experts(qtype):
+    # a layer whose experts all run on the host keeps a [0, N, K] card tensor: its repack is empty
+    import jax.numpy as jnp
+
+    from bloomery_jax.quant.repack import repack_on_device
+
+    raw = random_raw(qtype, (1, 16, 256), np.random.default_rng(0))
+    one = repack(raw, qtype, (1, 16, 256))
+    none = repack_on_device(jnp.zeros((0, *raw.shape[1:]), jnp.uint8), qtype, (0, 16, 256))
+    assert none.shape == (0, 16, 256) and none.nbytes == 0
+    for field in ("qs", "d", "sc", "qh"):
+        a, b = getattr(one, field), getattr(none, field)
+        assert (a is None) == (b is None), field
+        if a is not None:
+            assert b.shape == (0, *a.shape[1:]) and b.dtype == a.dtype, field

@@ -25,14 +25,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ..pallas.moe_gemm import GemmConfig, moe_gemm, plan_tiles
+from ..pallas.moe_gemm import moe_gemm, pick_gemm_config, plan_tiles
 from ..pallas.moe_gemv import moe_gemv
 from ..quant.repack import PackedWeight
 from .actquant import round_activations
 from .qmatmul import as_f32, interpret_kernels, weight_qtype
 
 MOE_GEMV_MAX_PAIRS = 64
-MOE_GEMM_CONFIG = GemmConfig()  # launch parameters and product precision of the prefill kernel
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -120,10 +119,12 @@ def _moe_swiglu_gemv(x, experts, weights, gate, up, down, act_rounding):
     return _weighted_sum(moe_gemv(h, down, flat, interpret=interpret).reshape(N, k, -1), weights)  # [N, k, D] -> [N, D]
 
 
-def _moe_swiglu_gemm(x, experts, weights, gate, up, down, act_rounding, config=MOE_GEMM_CONFIG):
-    """:func:`moe_swiglu` for many pairs with the Pallas grouped GEMM (packed weights)."""
+def _moe_swiglu_gemm(x, experts, weights, gate, up, down, act_rounding, config=None):
+    """:func:`moe_swiglu` for many pairs with the Pallas grouped GEMM (packed weights);
+    ``config`` None picks ``pick_gemm_config`` for the pairs and experts."""
     N, k = experts.shape
     interpret = interpret_kernels()
+    config = config or pick_gemm_config(N * k, gate.shape[0])
     plan = plan_tiles(experts.reshape(N * k), gate.shape[0], config.block_m)
     tok = plan.rows // k  # [M] token of each tiled row
     x = x.astype(jnp.float32)

@@ -315,7 +315,15 @@ def repack_on_device(data: jax.Array, qtype, shape) -> PackedWeight:
         names = ", ".join(t.name for t in PACKABLE)
         raise ValueError(f"repack: no GEMV layout for {qtype.name} (have {names})")
     _blocks(data, qtype, shape)  # validates before tracing
-    fields = _repack_jit(data, int(qtype), shape)
+    lead = len(shape) - 2
+    if 0 in shape[:lead]:  # no experts (a layer whose experts all run on the host): empty fields
+        one = (1,) * lead
+        probe = jax.eval_shape(lambda d: _repack_jit(d, int(qtype), one + shape[lead:]),
+                               jax.ShapeDtypeStruct(one + data.shape[lead:], data.dtype))
+        fields = {k: jnp.zeros(shape[:lead] + v.shape[lead:], v.dtype, device=data.sharding)
+                  for k, v in probe.items()}
+    else:
+        fields = _repack_jit(data, int(qtype), shape)
     return PackedWeight(**fields, qtype=int(qtype), shape=shape, layout="planes")
 
 
