@@ -1,0 +1,149 @@
+"""Where a decode step's time goes: host dispatch, device kernels by name, and the gaps between.
+
+Loads a model as `bench` does, prefills one prompt, then runs --steps decode steps of one
+sequence twice: first timed (per step: the jitted call's return = host dispatch, then the wait
+for the sampled token = the rest), then under ``jax.profiler.trace`` with a Perfetto trace,
+whose device events are summed by kernel name. Prints one JSON line:
+
+  leaves           arrays passed to every step (params, placement): dispatch walks them all
+  dispatch_ms      median time for the step call to return (async: the host's own work)
+  step_ms          median time from the call to the sampled token on the host
+  device_busy_ms   sum of device kernel durations per step (from the trace)
+  kernels          the top --top kernels: name, calls and microseconds per step, share of busy time
+
+  python scripts/profile_decode.py --model M.gguf --kernels pallas --out prof/   # GPU
+  python scripts/profile_decode.py --tiny --out /tmp/prof                        # CPU smoke run
+
+On the CPU the "device" is the host: the trace then holds XLA's CPU ops, good only for
+checking the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import os
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import jax
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from bloomery_jax.engine.engine import Engine  # noqa: E402
+from bloomery_jax.engine.sampling import SamplingParams  # noqa: E402
+from bloomery_jax.engine.startup import Progress, open_model  # noqa: E402
+
+
+def decode_inputs(engine, seq):
+    """The arrays ``Engine.decode`` builds for one sequence in slot 0 of a bucket of one."""
+    tokens = np.array([seq.tokens[-1]], np.int32)
+    positions = np.array([seq.n_cached], np.int32)
+    return tokens, positions, np.ones(1, bool)
+
+
+def timed_steps(engine, seq, n: int) -> tuple[list[float], list[float]]:
+    """n decode steps of ``seq``: (dispatch seconds, call-to-token seconds) per step."""
+    dispatch, total = [], []
+    for _ in range(n):
+        tokens, positions, active = decode_inputs(engine, seq)
+        t0 = time.perf_counter()
+        engine.cache, engine.sampler, out, _, engine.last_routing = engine.steps.decode(
+            engine.params, engine.cache, engine.sampler, engine.placement, tokens, positions, active)
+        t1 = time.perf_counter()
+        token = int(jax.device_get(out.token)[0])
+        t2 = time.perf_counter()
+        seq.n_cached += 1
+        seq.tokens.append(token)
+        dispatch.append(t1 - t0)
+        total.append(t2 - t0)
+    return dispatch, total
+
+
+def device_events(trace_dir: Path) -> list[dict]:
+    """Kernel events of the newest Perfetto trace under trace_dir: the stream threads ("Stream
+    #...") of processes named like /device:GPU:0, not their derived "XLA Ops"/"XLA Modules"
+    lines, which would count each kernel again; every complete event when there is no GPU (CPU)."""
+    files = sorted(trace_dir.rglob("*.trace.json.gz"), key=lambda p: p.stat().st_mtime)
+    if not files:
+        raise SystemExit(f"no Perfetto trace under {trace_dir}")
+    with gzip.open(files[-1], "rt") as f:
+        events = json.load(f)["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    gpu = {pid for pid, name in names.items() if "GPU" in name or "gpu" in name}
+    if not gpu:
+        return [e for e in events if e.get("ph") == "X"]
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name" and e["pid"] in gpu}
+    streams = {key for key, name in threads.items() if name.startswith("Stream")}
+    print(f"device threads: {sorted(set(threads.values()))}", file=sys.stderr)
+    return [e for e in events if e.get("ph") == "X" and e["pid"] in gpu
+            and (not streams or (e["pid"], e.get("tid")) in streams)]
+
+
+def summarize(events: list[dict], steps: int, top: int) -> tuple[float, list[dict]]:
+    by_name = collections.defaultdict(lambda: [0, 0.0])  # name -> [calls, total us]
+    for e in events:
+        row = by_name[e["name"]]
+        row[0] += 1
+        row[1] += float(e.get("dur", 0.0))
+    busy = sum(us for _, us in by_name.values()) / steps
+    rows = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+    return busy / 1e3, [dict(name=name[:120], calls_per_step=round(calls / steps, 2), us_per_step=round(us / steps, 1),
+                             share=round(us / steps / busy, 3) if busy else 0.0) for name, (calls, us) in rows]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="a GGUF file")
+    p.add_argument("--tiny", action="store_true", help="a small synthetic qwen3moe model (CPU smoke run)")
+    p.add_argument("--kernels", default="auto")
+    p.add_argument("--place", default="card")
+    p.add_argument("--prompt", type=int, default=64, help="prompt tokens before decoding")
+    p.add_argument("--steps", type=int, default=32, help="decode steps timed, then traced")
+    p.add_argument("--top", type=int, default=40, help="kernels listed")
+    p.add_argument("--out", type=Path, required=True, help="trace directory (and profile.json)")
+    a = p.parse_args(argv)
+    warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
+    if a.tiny:
+        from bloomery_jax.synth import synthesize
+
+        a.model = str(a.out / "tiny-q4km.gguf")
+        a.out.mkdir(parents=True, exist_ok=True)
+        synthesize(a.model, qtype="Q4_K_M", seed=0, n_layers=2, d_model=256, n_heads=4, n_kv_heads=2,
+                   head_dim=64, n_experts=16, n_experts_used=4, expert_ff=256, n_vocab=1024)
+    elif not a.model:
+        p.error("--model or --tiny")
+    progress = Progress(sys.stderr, quiet=True)
+    model, _, load_s = open_model(a.model, progress, a.place, "auto", a.kernels)
+    engine = Engine(model, n_slots=1, max_context=a.prompt + 3 * a.steps + 8, ubatch=max(a.prompt, 16))
+    seq = engine.add(np.random.default_rng(0).integers(0, engine.n_vocab, a.prompt).tolist(),
+                     SamplingParams(temperature=0.0))
+    while seq.pending > 1:
+        engine.prefill(seq)
+    t0 = time.perf_counter()
+    timed_steps(engine, seq, 2)  # compile and warm
+    compile_s = time.perf_counter() - t0
+    dispatch, total = timed_steps(engine, seq, a.steps)
+    trace_dir = a.out / "trace"
+    with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+        timed_steps(engine, seq, a.steps)
+    busy_ms, kernels = summarize(device_events(trace_dir), a.steps, a.top)
+    leaves = len(jax.tree_util.tree_leaves((engine.params, engine.placement)))
+    result = dict(bench="profile_decode", model=a.model, kernels=a.kernels, place=a.place,
+                  device=str(jax.devices()[0].device_kind), layers=model.cfg.n_layers, leaves=leaves,
+                  load_s=round(load_s, 1), compile_s=round(compile_s, 1), steps=a.steps,
+                  dispatch_ms=round(statistics.median(dispatch) * 1e3, 3),
+                  step_ms=round(statistics.median(total) * 1e3, 3), device_busy_ms=round(busy_ms, 3),
+                  kernels_top=kernels)
+    (a.out / "profile.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
