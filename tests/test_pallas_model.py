@@ -59,6 +59,17 @@ def test_layer_without_card_experts(q4km):
     assert np.abs(got - ref).max() <= TOL * ref.std()
 
 
+def test_tf32_prefill_setting(q4km):
+    # kernels=pallas-tf32 only changes the prefill experts' tensor-core precision, through the config
+    # (the interpreter computes every precision at f32 HIGHEST: its error is measured on the GPU)
+    assert load_model(q4km, kernels="pallas").cfg.moe_precision == "tf32x3"
+    model = load_model(q4km, kernels="pallas-tf32")
+    assert model.cfg.moe_precision == "tf32" and isinstance(model.params["blk.0.attn_q.weight"], PackedWeight)
+    ids = tokens(16, seed=4)
+    ref = sequence_logits(load_model(q4km, kernels="reference", weights="blocks"), ids, ubatch=16)
+    assert np.abs(sequence_logits(model, ids, ubatch=16) - ref).max() <= TOL * ref.std()
+
+
 def test_unserved_weights_are_named(synth_model, capsys):
     f32 = synth_model(qtype="F32", seed=5, **SHAPE)[0]
     model = load_model(f32, kernels="pallas")

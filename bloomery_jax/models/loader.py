@@ -79,8 +79,9 @@ def load_model(path: str | os.PathLike, *, device=None, place="card", reserve_by
         per-step dequantization; 4-8x the memory), or "auto": f32 when those copies take at
         most AUTO_F32_BYTES and no expert runs on the host, else blocks.
       kernels: "reference" (jnp dequantize + matmul), "pallas" (card matmul weights repacked
-        on the device for the Pallas decode kernels; ``weights`` must then be blocks or auto)
-        or "auto" (pallas on a GPU, else reference). Weights no kernel can serve are listed
+        on the device for the Pallas kernels; ``weights`` must then be blocks or auto),
+        "pallas-tf32" (as pallas, prefill experts in one TF32 pass instead of three: sets
+        ``cfg.moe_precision``) or "auto" (pallas on a GPU, else reference). Weights no kernel can serve are listed
         on stderr and run the reference path.
     Returns:
       the Model.
@@ -112,10 +113,13 @@ def load_model(path: str | os.PathLike, *, device=None, place="card", reserve_by
     if expert_layer:
         bridge = _host_bridge(gf.path, host_tensors, host_threads, host_act) if host_tensors else None
         placement = Placement(jax.device_put(slot_table(on_card), device), bridge)
-    if resolve_kernels(kernels, device) == "pallas":
+    kernels = resolve_kernels(kernels, device)
+    if kernels.startswith("pallas"):
         if weights == "f32":
             raise ConfigError("weights='f32' and kernels='pallas' exclude each other: the kernels read blocks")
         params = _pack_for_kernels(params, specs)
+        if kernels == "pallas-tf32" and hasattr(cfg, "moe_precision"):
+            cfg = dataclasses.replace(cfg, moe_precision="tf32")
     elif _want_f32(weights, params, bool(host_tensors)):
         # Exactly the values the per-step dequantization forms (quant.dequantize is bit-exact).
         params = jax.jit(lambda ps: {k: q.dequantize() for k, q in ps.items()})(params)
@@ -123,7 +127,7 @@ def load_model(path: str | os.PathLike, *, device=None, place="card", reserve_by
 
 
 def resolve_kernels(kernels: str, device=None) -> str:
-    """"reference" or "pallas" for a ``kernels`` setting ("auto": pallas on a GPU)."""
+    """"reference", "pallas" or "pallas-tf32" for a ``kernels`` setting ("auto": pallas on a GPU)."""
     if kernels not in KERNELS:
         raise ConfigError(f"kernels={kernels!r}: must be one of {', '.join(KERNELS)}")
     if kernels == "auto":

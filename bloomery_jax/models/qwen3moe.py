@@ -55,6 +55,9 @@ class Config:
     # Not from the file: "ggml-cpu" rounds matmul activations as llama.cpp's CPU backend does
     # (ops/actquant.py), to compare with it on quantized files; "none" is the exact reference.
     act_rounding: str = "none"
+    # Not from the file: the tensor-core precision of the prefill MoE kernel (pallas.moe_gemm);
+    # the loader sets "tf32" for kernels=pallas-tf32.
+    moe_precision: str = "tf32x3"
 
     @property
     def q_dim(self) -> int:
@@ -243,7 +246,8 @@ def _moe_block(params, cfg: Config, i: int, x, placement):
     router_logits = qmatmul(h, params[b + "ffn_gate_inp.weight"], cfg.act_rounding)  # [N, E]
     experts, weights, margin = route_topk(router_logits, cfg.n_experts_used)  # [N, k], [N, k], [N]
     y = placed_moe_swiglu(h, experts, weights, params[b + "ffn_gate_exps.weight"], params[b + "ffn_up_exps.weight"],
-                          params[b + "ffn_down_exps.weight"], cfg.act_rounding, placement, i)  # [N, D]
+                          params[b + "ffn_down_exps.weight"], cfg.act_rounding, placement, i,
+                          cfg.moe_precision)  # [N, D]
     k = cfg.n_experts_used
     return x + y.reshape(B, T, D), (experts.reshape(B, T, k), weights.reshape(B, T, k), margin.reshape(B, T))
 

@@ -20,6 +20,7 @@ a weight outside the kernel.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -62,7 +63,7 @@ def grouped_matmul(x_sorted: jax.Array, w: jax.Array, group_sizes: jax.Array) ->
 
 
 def moe_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate, up, down,
-               act_rounding: str = "none") -> jax.Array:
+               act_rounding: str = "none", precision: str = "tf32x3") -> jax.Array:
     """Weighted sum of the chosen SwiGLU experts of every token.
 
     Args:
@@ -71,6 +72,7 @@ def moe_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate, up, d
       weights: float32 ``[N, k]`` their weights.
       gate, up: QTensor or array ``[E, F, D]``; down: ``[E, D, F]`` (F expert hidden size).
       act_rounding: ``"none"`` or ``"ggml-cpu"`` (see ``ops/actquant.py``).
+      precision: the grouped GEMM's tensor-core precision (``pallas.moe_gemm``; packed weights only).
     Returns:
       float32 ``[N, D]``.
     """
@@ -78,7 +80,8 @@ def moe_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate, up, d
     if isinstance(gate, PackedWeight) and N * k <= min(MOE_GEMV_MAX_PAIRS, gate.shape[0] // 2):
         return _moe_swiglu_gemv(x, experts, weights, gate, up, down, act_rounding)
     if isinstance(gate, PackedWeight):
-        return _moe_swiglu_gemm(x, experts, weights, gate, up, down, act_rounding)
+        config = dataclasses.replace(pick_gemm_config(N * k, gate.shape[0]), precision=precision)
+        return _moe_swiglu_gemm(x, experts, weights, gate, up, down, act_rounding, config)
     wg, wu, wd = as_f32(gate), as_f32(up), as_f32(down)
     n_exp = wg.shape[0]
     flat = experts.reshape(N * k)  # [P] pairs, token-major
@@ -138,7 +141,7 @@ def _moe_swiglu_gemm(x, experts, weights, gate, up, down, act_rounding, config=N
 
 
 def placed_moe_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate, up, down,
-                      act_rounding: str, placement, layer: int) -> jax.Array:
+                      act_rounding: str, placement, layer: int, precision: str = "tf32x3") -> jax.Array:
     """:func:`moe_swiglu` with each expert computed where ``placement`` puts it.
 
     Card experts run on their slots of the layer's card buffers (``gate``/``up``/``down`` hold
@@ -151,11 +154,12 @@ def placed_moe_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate
       gate, up, down: the layer's card expert buffers ``[n_slots, F, D]`` / ``[n_slots, D, F]``.
       placement: ``placement.Placement`` or None (every expert on the card, slot = expert id).
       layer: this layer's index in ``placement.slot_of``.
+      precision: as for :func:`moe_swiglu`.
     Returns:
       float32 ``[N, D]``.
     """
     if placement is None:
-        return moe_swiglu(x, experts, weights, gate, up, down, act_rounding)
+        return moe_swiglu(x, experts, weights, gate, up, down, act_rounding, precision)
     slot_of = placement.slot_of[layer]  # [E]
     slots = slot_of[experts]  # [N, k]
     on_card = slots >= 0
@@ -163,7 +167,7 @@ def placed_moe_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate
     out = jnp.zeros(x.shape, jnp.float32)
     if n_slots:
         out = moe_swiglu(x, jnp.where(on_card, slots, 0), jnp.where(on_card, weights, 0.0), gate, up, down,
-                         act_rounding)
+                         act_rounding, precision)
     if placement.host is not None and placement.host.has_layer(layer):
         out = out + placement.host.moe(layer, x, experts, weights, slot_of < 0)
     return out
