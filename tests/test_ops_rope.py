@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -71,6 +72,8 @@ def test_angles_are_ggml_running_product_bit_for_bit():
     cfg = RopeConfig(n_dims=128, freq_base=1e6)
     pos = np.arange(0, 600, 7, dtype=np.int32)
     got = np.asarray(rope_angles(jnp.asarray(pos), cfg))
+    # compiled as in a step, where XLA's simplifier sees the whole chain at once
+    np.testing.assert_array_equal(np.asarray(jax.jit(rope_angles, static_argnums=1)(jnp.asarray(pos), cfg)), got)
     ts = F(np.power(F(1e6), F(-2.0) / F(128)))
     want = np.empty((len(pos), 64), np.float32)
     want[:, 0] = pos

@@ -100,13 +100,15 @@ def rope_angles(positions: jax.Array, cfg: RopeConfig) -> jax.Array:
     theta_scale = f(np.power(f(cfg.freq_base), f(-2.0) / f(cfg.n_dims)))
     p = positions.astype(jnp.float32)
 
-    # Running product, one float32 rounding per pair, exactly as ggml's cache init does. A scan
-    # (not an unrolled chain): XLA's simplifier may fold an unrolled x*c*c into x*(c*c).
-    def step(theta, _):
-        return theta * theta_scale, theta
-
-    _, extrap = jax.lax.scan(step, p, None, length=cfg.n_dims // 2)  # [n_dims/2, ...]
-    theta_extrap = jnp.moveaxis(extrap, 0, -1)  # [..., n_dims/2]
+    # Running product, one float32 rounding per pair, exactly as ggml's cache init does. Unrolled
+    # (a scan is an XLA while loop: on the GPU each of its n_dims/2 trips launched kernels and
+    # synchronised with the host), with theta_scale hidden behind an optimization barrier so
+    # XLA's simplifier cannot fold the constant chain x*c*c into x*(c*c).
+    scale = jax.lax.optimization_barrier(jnp.float32(theta_scale))
+    extrap = [p]
+    for _ in range(cfg.n_dims // 2 - 1):
+        extrap.append(extrap[-1] * scale)
+    theta_extrap = jnp.stack(extrap, axis=-1)  # [..., n_dims/2]
     theta_interp = f(cfg.freq_scale) * theta_extrap
     if cfg.ext_factor == 0.0:
         return theta_interp
