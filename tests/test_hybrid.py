@@ -101,6 +101,19 @@ def test_rule_matches_card(model_file, rule):
     assert model.placement.host.stats.calls > 0
 
 
+@pytest.mark.parametrize("rule", ["cpu-moe", "n-cpu-moe=1"])
+def test_prefill_streams_host_experts(model_file, rule):
+    # steps of 32 tokens (STREAM_MIN_TOKENS; the 48 tokens go as two chunks, the second padded to
+    # 32) stream each host layer's experts to the card and compute them there, not on the host
+    path, tokens, reference, keep = model_file
+    model = load_model(path, place=rule, host_act="f32")
+    ours = sequence_logits(model, tokens, ubatch=32)
+    assert np.abs(ours - reference)[keep].max() <= TOL * reference[keep].std()
+    bridge = model.placement.host
+    per_step = sum(getattr(layer, role).data.nbytes for layer in bridge.layers.values() for role in ("gate", "up", "down"))
+    assert bridge.stats.streamed_bytes == 2 * per_step and bridge.stats.calls == 0
+
+
 def test_random_placements_match_card(model_file):
     path, tokens, reference, keep = model_file
     rng = np.random.default_rng(5)

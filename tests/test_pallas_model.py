@@ -49,14 +49,17 @@ def test_steps_within_bound(q4km, n_tokens, ubatch):
     np.testing.assert_array_equal(got.argmax(-1), ref.argmax(-1))
 
 
-def test_layer_without_card_experts(q4km):
-    # n-cpu-moe=1: layer 0 keeps an empty [0, F, D] card tensor (its repack is empty), layer 1 the kernels
-    ids = tokens(12, seed=3)
+@pytest.mark.parametrize("ubatch", [8, 32], ids=["host-experts", "streamed-experts"])
+def test_layer_without_card_experts(q4km, ubatch):
+    # n-cpu-moe=1: layer 0 keeps an empty [0, F, D] card tensor (its repack is empty), layer 1 the
+    # kernels; 32-token steps stream layer 0's experts to the card, repack and run them in moe_gemm
+    ids = tokens(40, seed=3)  # with ubatch 32: a 32-token chunk, then one padded to 8
     model = load_model(q4km, kernels="pallas", place="n-cpu-moe=1")
     assert model.params["blk.0.ffn_gate_exps.weight"].shape[0] == 0
-    ref = sequence_logits(load_model(q4km, kernels="reference", place="n-cpu-moe=1"), ids, ubatch=8)
-    got = sequence_logits(model, ids, ubatch=8)
+    ref = sequence_logits(load_model(q4km, kernels="reference", place="n-cpu-moe=1"), ids, ubatch=ubatch)
+    got = sequence_logits(model, ids, ubatch=ubatch)
     assert np.abs(got - ref).max() <= TOL * ref.std()
+    assert (model.placement.host.stats.streamed_bytes > 0) == (ubatch == 32)
 
 
 def test_tf32_prefill_setting(q4km):

@@ -12,6 +12,10 @@ through pageable memory (~190-225 us a call measured on the H200, DESIGN.md); th
 function's own time is counted in ``stats`` so the bridge overhead can be told apart from the
 kernels. A bridge object is static in the step (hashed by identity): one compilation per
 bridge, whatever the placement table holds.
+
+``bridge.stream(i, role)`` is the other way round, for prefill: the layer's whole expert tensor
+(the file's blocks, all E experts) handed to the step through a callback, so XLA copies it to
+the card and the card computes every pair of the layer (``ops.experts.placed_moe_swiglu``).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ class BridgeStats:
     calls: int = 0
     pairs: int = 0  # (token, expert) pairs computed on the host
     seconds: float = 0.0  # inside host_moe_swiglu
+    streamed_bytes: int = 0  # expert bytes handed to steps by ``stream`` (prefill streaming)
 
 
 class HostBridge:
@@ -68,6 +73,21 @@ class HostBridge:
         out = jax.ShapeDtypeStruct(h.shape, jnp.float32)
         return jax.pure_callback(functools.partial(self._run, i), out, h, experts, weights, on_host,
                                  vmap_method="sequential")
+
+    def stream(self, i: int, role: str):
+        """Layer ``i``'s ``role`` ("gate", "up" or "down") expert tensor as a QTensor on the step's
+        device, traced into the caller's step: the file's data ``[E, rows, row_bytes]`` through a
+        callback (no arguments, so XLA may issue it ahead of the layer's compute)."""
+        from ..quant import QTensor
+
+        t = getattr(self.layers[i], role)
+        data = jax.pure_callback(functools.partial(self._fetch, t), jax.ShapeDtypeStruct(t.data.shape, t.data.dtype))
+        return QTensor(data, int(t.qtype), tuple(t.shape))
+
+    def _fetch(self, t) -> np.ndarray:
+        with self._lock:
+            self.stats.streamed_bytes += int(t.data.nbytes)
+        return np.asarray(t.data)
 
     def _run(self, i, h, experts, weights, on_host):
         if self.threads is not None:

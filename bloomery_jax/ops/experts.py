@@ -28,11 +28,12 @@ import jax.numpy as jnp
 
 from ..pallas.moe_gemm import moe_gemm, pick_gemm_config, plan_tiles
 from ..pallas.moe_gemv import moe_gemv
-from ..quant.repack import PackedWeight
+from ..quant.repack import PackedWeight, repack_on_device
 from .actquant import round_activations
 from .qmatmul import as_f32, interpret_kernels, weight_qtype
 
 MOE_GEMV_MAX_PAIRS = 64
+STREAM_MIN_TOKENS = 32  # steps of this many tokens stream a layer's host experts to the card (prefill)
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -149,6 +150,12 @@ def placed_moe_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate
     The card part gives host pairs weight 0 (their slot index is clamped to 0), so shapes never
     depend on the placement.
 
+    Prefill streaming: a step of at least ``STREAM_MIN_TOKENS`` tokens (static: its shape says
+    so) does not run a layer's host experts on the host; it takes the layer's whole expert
+    tensors from the host (``HostBridge.stream``, copied to the card) and computes every pair
+    on the card, where many tokens per expert make the product compute-bound. Decode steps
+    keep the host kernels, which read each chosen expert once.
+
     Args:
       x: float32 ``[N, D]``; experts int32 ``[N, k]``; weights float32 ``[N, k]``.
       gate, up, down: the layer's card expert buffers ``[n_slots, F, D]`` / ``[n_slots, D, F]``.
@@ -160,6 +167,12 @@ def placed_moe_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate
     """
     if placement is None:
         return moe_swiglu(x, experts, weights, gate, up, down, act_rounding, precision)
+    host = placement.host if placement.host is not None and placement.host.has_layer(layer) else None
+    if host is not None and x.shape[0] >= STREAM_MIN_TOKENS:
+        full = [host.stream(layer, role) for role in ("gate", "up", "down")]  # QTensor [E, ...] each
+        if isinstance(gate, PackedWeight):  # the kernels read the planes layout: repack on the card
+            full = [repack_on_device(q.data, q.qtype, q.shape) for q in full]
+        return moe_swiglu(x, experts, weights, *full, act_rounding, precision)
     slot_of = placement.slot_of[layer]  # [E]
     slots = slot_of[experts]  # [N, k]
     on_card = slots >= 0
@@ -168,6 +181,6 @@ def placed_moe_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate
     if n_slots:
         out = moe_swiglu(x, jnp.where(on_card, slots, 0), jnp.where(on_card, weights, 0.0), gate, up, down,
                          act_rounding, precision)
-    if placement.host is not None and placement.host.has_layer(layer):
-        out = out + placement.host.moe(layer, x, experts, weights, slot_of < 0)
+    if host is not None:
+        out = out + host.moe(layer, x, experts, weights, slot_of < 0)
     return out
