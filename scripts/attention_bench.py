@@ -1,0 +1,73 @@
+"""Decode attention bench: the Pallas split-K kernel against the jnp reference, one layer, one token a sequence.
+
+At Qwen3-30B-A3B attention shapes (32 query heads, 4 kv heads of 128; f32 cache) for each
+cache length S and batch B: median microseconds over --reps samples of --calls back-to-back
+calls, GB/s of the cache bytes read (visible slots of k and v), and max |diff| against
+``ops.attention.gqa_attention``. The cache is full (visible = S). Prints one JSON line.
+
+  python scripts/attention_bench.py                          # GPU
+  python scripts/attention_bench.py --interpret              # CPU smoke run, small shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from bloomery_jax.ops.attention import gqa_attention  # noqa: E402
+from bloomery_jax.pallas.attention import decode_attention  # noqa: E402
+from moe_decode_bench import median_us  # noqa: E402
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--lengths", default="641,4096,32768", help="comma list of cache lengths S")
+    p.add_argument("--batch", default="1,2", help="comma list of batch sizes B")
+    p.add_argument("--splits", default="128,512", help="comma list of slots per program")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--calls", type=int, default=10)
+    p.add_argument("--interpret", action="store_true", help="CPU smoke run: Pallas interpreter, small shapes")
+    a = p.parse_args(argv)
+    warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
+    hq, hkv, dh = (8, 2, 32) if a.interpret else (32, 4, 128)
+    if a.interpret:
+        a.lengths, a.batch, a.splits, a.reps, a.calls = "100", "2", "64", 2, 1
+    scale = float(1 / np.sqrt(dh))
+    rng = np.random.default_rng(0)
+    rows = []
+    for S in map(int, a.lengths.split(",")):
+        for B in map(int, a.batch.split(",")):
+            q = jnp.asarray(rng.standard_normal((B, hq, dh)), jnp.float32)
+            k = jnp.asarray(rng.standard_normal((B, S, hkv, dh)), jnp.float32)
+            v = jnp.asarray(rng.standard_normal((B, S, hkv, dh)), jnp.float32)
+            vis = jnp.full((B,), S, jnp.int32)
+            mask = jnp.ones((B, 1, S), bool)
+            ref_fn = jax.jit(lambda q, k, v: gqa_attention(q[:, None], k, v, mask, scale)[:, 0])
+            ref = np.asarray(ref_fn(q, k, v))
+            cache_bytes = 2 * B * S * hkv * dh * 4
+            us = median_us(ref_fn, [(q, k, v)], a.reps, a.calls)
+            row = dict(S=S, B=B, reference_us=round(us, 1), reference_GBps=round(cache_bytes / us / 1e3, 1))
+            for split in map(int, a.splits.split(",")):
+                fn = jax.jit(lambda q, k, v, split=split: decode_attention(q, k, v, vis, scale, split=split,
+                                                                           interpret=a.interpret))
+                got = np.asarray(fn(q, k, v))
+                us = median_us(fn, [(q, k, v)], a.reps, a.calls)
+                row[f"split{split}_us"] = round(us, 1)
+                row[f"split{split}_GBps"] = round(cache_bytes / us / 1e3, 1)
+                row[f"split{split}_max_diff"] = float(np.abs(got - ref).max())
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    print(json.dumps(dict(bench="decode_attention", device=str(jax.devices()[0].device_kind), jax=jax.__version__,
+                          interpret=a.interpret, heads=[hq, hkv, dh], reps=a.reps, calls=a.calls, rows=rows)))
+
+
+if __name__ == "__main__":
+    main()
