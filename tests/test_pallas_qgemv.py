@@ -99,3 +99,40 @@ def test_bad_shapes_raise():
     stacked = repack(np.zeros((2, 8, 144), np.uint8), T.Q4_K, (2, 8, 256), "rows")
     with pytest.raises(ValueError, match="needs a 2-D packed"):
         qgemv(jnp.zeros((1, 256)), stacked, interpret=True)
+
+
+def test_many_in_one_launch():
+    # q, k and v of a layer in one launch (two formats, three heights): each output within the
+    # planes bound of its own weight (the tile height may differ from qgemv's, so the final
+    # W-column sums may associate differently; rounding_depth does not depend on it)
+    from bloomery_jax.pallas.qgemv import qgemv_many
+
+    rng = np.random.default_rng(21)
+    shapes = [(T.Q4_K, 64), (T.Q4_K, 32), (T.Q6_K, 32)]
+    ws = tuple(repack(weight(q, n, 512, rng), q, (n, 512)) for q, n in shapes)
+    x = jnp.asarray(rng.standard_normal((2, 512)), jnp.float32)
+    ys = qgemv_many(x, ws, interpret=True)
+    assert [y.shape for y in ys] == [(2, 64), (2, 32), (2, 32)]
+    xf = np.asarray(x, np.float64)
+    for y, w, (q, _) in zip(ys, ws, shapes):
+        exact = xf @ np.asarray(dequantize_packed(w), np.float64).T
+        mag = np.abs(xf) @ np.asarray(scale_magnitudes(w), np.float64).T
+        bound = 1.01 * rounding_depth("planes", q, 512, None) * U * mag
+        assert (np.abs(np.asarray(y, np.float64) - exact) <= bound).all()
+    # the wrong weight's values fail that bound (guards the test)
+    assert not (np.abs(np.asarray(ys[1], np.float64) - xf @ np.asarray(dequantize_packed(ws[2]), np.float64).T)
+                <= 1.01 * rounding_depth("planes", T.Q4_K, 512, None) * U * mag).all()
+    with pytest.raises(ValueError, match="planes-layout"):
+        qgemv_many(x, (ws[0], repack(weight(T.Q4_K, 32, 256, rng), T.Q4_K, (32, 256))), interpret=True)
+
+
+@pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
+def test_many_lowers_to_triton_for_h200(monkeypatch):
+    """q (Q4_K), k (Q4_K) and v (Q6_K) of the 30B shape in one verified Triton module for sm_90."""
+    from bloomery_jax.pallas.qgemv import qgemv_many
+    from triton_lowering import triton_kernels
+
+    rng = np.random.default_rng(0)
+    ws = tuple(repack(weight(q, n, 2048, rng), q, (n, 2048)) for q, n in [(T.Q4_K, 4096), (T.Q4_K, 512), (T.Q6_K, 512)])
+    x = jax.ShapeDtypeStruct((1, 2048), jnp.float32)
+    assert triton_kernels(monkeypatch, lambda x, ws: qgemv_many(x, ws), x, ws) == [("qgemv_many", 90, True)]

@@ -18,7 +18,7 @@ from ..gguf_file import GGUFFile
 from ..ops.attention import gqa_attention
 from ..ops.experts import placed_moe_swiglu
 from ..ops.norms import rms_norm
-from ..ops.qmatmul import as_f32, qmatmul, take_rows
+from ..ops.qmatmul import as_f32, qmatmul, qmatmul_many, take_rows
 from ..ops.rope import RopeConfig, apply_rope, rope_cos_sin
 from ..ops.routing import route_topk
 from .kv_cache import KVCache
@@ -227,9 +227,10 @@ def _attention_block(params, cfg: Config, i: int, x, cos, sin, positions, cache:
     B, T, _ = x.shape
     ar = cfg.act_rounding
     h = rms_norm(x, as_f32(params[b + "attn_norm.weight"]), cfg.rms_eps)
-    q = qmatmul(h, params[b + "attn_q.weight"], ar).reshape(B, T, cfg.n_heads, cfg.head_dim)  # [B, T, Hq, Dh]
-    k = qmatmul(h, params[b + "attn_k.weight"], ar).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)  # [B, T, Hkv, Dh]
-    v = qmatmul(h, params[b + "attn_v.weight"], ar).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
+    q, k, v = qmatmul_many(h, [params[b + f"attn_{n}.weight"] for n in "qkv"], ar)
+    q = q.reshape(B, T, cfg.n_heads, cfg.head_dim)  # [B, T, Hq, Dh]
+    k = k.reshape(B, T, cfg.n_kv_heads, cfg.head_dim)  # [B, T, Hkv, Dh]
+    v = v.reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
     # Qwen3: per-head RMSNorm of q and k before the rotation.
     q = apply_rope(rms_norm(q, as_f32(params[b + "attn_q_norm.weight"]), cfg.rms_eps), cos, sin, neox=True)
     k = apply_rope(rms_norm(k, as_f32(params[b + "attn_k_norm.weight"]), cfg.rms_eps), cos, sin, neox=True)

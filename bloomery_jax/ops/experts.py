@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from ..pallas.moe_gemm import moe_gemm, pick_gemm_config, plan_tiles
-from ..pallas.moe_gemv import moe_gemv
+from ..pallas.moe_gemv import moe_gemv, moe_gemv_many
 from ..quant.repack import PackedWeight, repack_on_device
 from .actquant import round_activations
 from .qmatmul import as_f32, interpret_kernels, weight_qtype
@@ -118,7 +118,10 @@ def _moe_swiglu_gemv(x, experts, weights, gate, up, down, act_rounding):
     x = x.astype(jnp.float32)
     xg = round_activations(x, weight_qtype(gate), act_rounding)[tok]  # [P, D]
     xu = round_activations(x, weight_qtype(up), act_rounding)[tok]
-    h = swiglu(moe_gemv(xg, gate, flat, interpret=interpret), moe_gemv(xu, up, flat, interpret=interpret))  # [P, F]
+    if act_rounding == "none":  # gate and up read the same x: one launch (decode is launch-bound)
+        h = swiglu(*moe_gemv_many(xg, (gate, up), flat, interpret=interpret))  # [P, F]
+    else:
+        h = swiglu(moe_gemv(xg, gate, flat, interpret=interpret), moe_gemv(xu, up, flat, interpret=interpret))
     h = round_activations(h, weight_qtype(down), act_rounding)
     return _weighted_sum(moe_gemv(h, down, flat, interpret=interpret).reshape(N, k, -1), weights)  # [N, k, D] -> [N, D]
 

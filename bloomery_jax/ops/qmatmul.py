@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ..pallas.qgemv import qgemv
+from ..pallas.qgemv import qgemv, qgemv_many
 from ..quant import QTensor, dequantize
 from ..quant.repack import PackedWeight, dequantize_packed
 from .actquant import round_activations
@@ -59,6 +59,22 @@ def qmatmul(x: jax.Array, w, act_rounding: str = "none") -> jax.Array:
         if rows.shape[0] <= GEMV_MAX_ROWS:
             return qgemv(rows, w, interpret=interpret_kernels()).reshape(*x.shape[:-1], w.shape[0])
     return jnp.einsum("...k,nk->...n", x, as_f32(w), precision=HIGHEST)
+
+
+def qmatmul_many(x: jax.Array, ws, act_rounding: str = "none") -> tuple:
+    """``tuple(qmatmul(x, w, act_rounding) for w in ws)``: weights that read the same x (q, k, v).
+
+    Decode steps with repacked weights take one launch for all of them (``qgemv_many``): the
+    step is bound by launches and latency, not bytes (docs/LOG.md, decode profile). Anything
+    else (prefill, the reference path, activation rounding that depends on the weight type) is
+    one ``qmatmul`` per weight.
+    """
+    rows = x.reshape(-1, x.shape[-1])  # [R, K]
+    if (act_rounding == "none" and rows.shape[0] <= GEMV_MAX_ROWS
+            and all(isinstance(w, PackedWeight) and w.layout == "planes" for w in ws)):
+        ys = qgemv_many(rows.astype(jnp.float32), tuple(ws), interpret=interpret_kernels())
+        return tuple(y.reshape(*x.shape[:-1], y.shape[-1]) for y in ys)
+    return tuple(qmatmul(x, w, act_rounding) for w in ws)
 
 
 def take_rows(w, rows: jax.Array) -> jax.Array:

@@ -31,10 +31,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ..quant.repack import PackedWeight
-from .qgemv import FORMATS, F32, _accumulate, _launch, _weight_fields
+from .qgemv import FORMATS, F32, _accumulate, _launch, _many_operands, _weight_fields
 from .qgemv_tuned import GemvConfig, pick_config
 
-__all__ = ["GemvConfig", "moe_gemv"]
+__all__ = ["GemvConfig", "moe_gemv", "moe_gemv_many"]
 
 
 class _ExpertView:
@@ -112,3 +112,61 @@ def moe_gemv(x: jax.Array, w: PackedWeight, experts: jax.Array, *, config: GemvC
         interpret=interpret,
         name=f"moe_gemv_{qtype.name.lower()}",
     )(experts.astype(jnp.int32), x, *arrays)
+
+
+def _moe_many_kernel(e_ref, x_ref, *refs, parts, n_experts: int, bn: int):
+    o_ref = refs[-1]  # [1, BN]
+    i = pl.program_id(1)
+    e = jnp.clip(e_ref[0], 0, n_experts - 1)
+    at = 0
+    for part in parts:
+        fmt, n_fields, tiles, steps, per_step = part
+        views = [_ExpertView(r, e) for r in refs[at:at + n_fields]]
+
+        @pl.when((i >= part.start) & (i < part.start + tiles))
+        def _(views=views, fmt=fmt, steps=steps, per_step=per_step):
+            (y,) = _accumulate(x_ref, views, fmt=fmt, bn=bn, nrows=1, steps=steps, per_step=per_step)
+            o_ref[0, :] = y
+
+        at += n_fields
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def moe_gemv_many(x: jax.Array, ws: tuple, experts: jax.Array, *, interpret: bool = False) -> tuple:
+    """``tuple(moe_gemv(x, w, experts) for w in ws)`` in one launch (gate and up of a MoE layer).
+
+    As ``qgemv.qgemv_many`` for stacked expert weights: program (p, i) serves pair p and a row
+    tile of the weight whose tiles cover i. Per output the products and K accumulation are
+    those of :func:`moe_gemv`; the same rounding bound holds.
+
+    Args:
+      x: float ``[P, K]``; ws: tuple of 3-D planes-layout PackedWeights ``[E, N_j, K]`` with the
+        same E; experts: integer ``[P]``.
+      interpret: run with the Pallas interpreter (CPU tests).
+    Returns:
+      tuple of float32 ``[P, N_j]``.
+    """
+    n_exp, _, k = ws[0].shape
+    for w in ws:
+        if (T(w.qtype) not in FORMATS or len(w.shape) != 3 or w.layout != "planes" or w.shape[0] != n_exp
+                or w.shape[2] != k):
+            raise ValueError(f"moe_gemv_many: needs 3-D planes-layout Q8_0/Q4_K/Q5_K/Q6_K weights [{n_exp}, N, {k}], "
+                             f"got {T(w.qtype).name} {w.shape} {w.layout}")
+    if x.ndim != 2 or x.shape[1] != k or experts.shape != (x.shape[0],):
+        raise ValueError(f"moe_gemv_many: x must be [P, {k}] and experts [P], got {x.shape} and {experts.shape}")
+    bn, parts, arrays, specs, cfgs = _many_operands(ws, k)
+    start = sum(p.tiles for p in parts)
+    n_pairs = x.shape[0]
+    y = pl.pallas_call(
+        functools.partial(_moe_many_kernel, parts=tuple(parts), n_experts=n_exp, bn=bn),
+        out_shape=jax.ShapeDtypeStruct((n_pairs, start * bn), F32),
+        grid=(n_pairs, start),
+        in_specs=[pl.BlockSpec((1,), lambda p, i: (p,)), pl.BlockSpec((1, k), lambda p, i: (p, 0)), *specs],
+        out_specs=pl.BlockSpec((1, bn), lambda p, i: (p, i)),
+        compiler_params=plgpu.CompilerParams(num_warps=max(c.num_warps for c in cfgs),
+                                             num_stages=max(c.num_stages for c in cfgs)),
+        interpret=interpret,
+        name="moe_gemv_many",
+    )(experts.astype(jnp.int32), x, *arrays)
+    bounds = [p.start * bn for p in parts] + [start * bn]
+    return tuple(y[:, a:b] for a, b in zip(bounds[:-1], bounds[1:]))

@@ -41,7 +41,7 @@ from .qgemv_tuned import GemvConfig, pick_config
 
 F32 = jnp.float32
 TWO23 = 8388608.0  # 2^23: bitcast(MAGIC | q) - TWO23 == q exactly, with no int->float convert
-__all__ = ["GemvConfig", "pick_config", "qgemv", "rounding_depth"]
+__all__ = ["GemvConfig", "pick_config", "qgemv", "qgemv_many", "rounding_depth"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,3 +232,106 @@ def qgemv(x: jax.Array, w: PackedWeight, *, config: GemvConfig | None = None,
     call = qgemv_rows.rows_call if w.layout == "rows" else _planes_call
     y = call(x2, w, cfg, interpret)
     return y[0] if squeeze else y
+
+
+def _many_kernel(x_ref, *refs, parts, nrows: int, bn: int):
+    """Program i computes the row tile of the weight whose tiles cover i (one ``pl.when`` per weight)."""
+    o_ref = refs[-1]
+    i = pl.program_id(0)
+    at = 0
+    for part in parts:  # (fmt, n_fields, tiles, steps, per_step) per weight, in output order
+        fmt, n_fields, tiles, steps, per_step = part
+        w_refs = refs[at:at + n_fields]
+
+        @pl.when((i >= part.start) & (i < part.start + tiles))
+        def _(w_refs=w_refs, fmt=fmt, steps=steps, per_step=per_step):
+            ys = _accumulate(x_ref, w_refs, fmt=fmt, bn=bn, nrows=nrows, steps=steps, per_step=per_step)
+            for b in range(nrows):
+                o_ref[b, :] = ys[b]
+
+        at += n_fields
+
+
+@dataclasses.dataclass(frozen=True)
+class _Part:
+    fmt: _Format
+    n_fields: int
+    tiles: int
+    steps: int
+    per_step: int
+    start: int  # first program of this weight
+
+    def __iter__(self):  # unpacked as (fmt, n_fields, tiles, steps, per_step)
+        return iter((self.fmt, self.n_fields, self.tiles, self.steps, self.per_step))
+
+
+def _many_operands(ws, k: int):
+    """What one launch over several planes-layout weights (2-D ``[N, K]`` or stacked ``[E, N, K]``)
+    needs: the common tile height, each weight's ``_Part``, the arrays with BlockSpecs (the last
+    grid axis walks the tiles of all weights in turn) and the weights' configs."""
+    cfgs = [pick_config("planes", T(w.qtype).name, *w.shape[-2:]) for w in ws]
+    bn = min(cfg.block_n for cfg in cfgs)
+    while any(w.shape[-2] % bn for w in ws):
+        bn //= 2
+    parts, arrays, specs, start = [], [], [], 0
+    for w, cfg in zip(ws, cfgs):
+        fmt = FORMATS[T(w.qtype)]
+        _, steps, per_step = _launch(fmt, w.shape[-2], k, dataclasses.replace(cfg, block_n=bn))
+        tiles = w.shape[-2] // bn
+        fields = _weight_fields(w)
+        for a, rows_last in fields:
+            tile = lambda g, s=start, t=tiles: jnp.clip(g[-1] - s, 0, t - 1)  # this weight's tile of a program
+            if rows_last:  # [..., chunks, fields, N]
+                specs.append(pl.BlockSpec((*a.shape[:-1], bn), lambda *g, tile=tile, nd=a.ndim: (0,) * (nd - 1) + (tile(g),)))
+            elif len(w.shape) == 3:  # [E, N, cols]
+                specs.append(pl.BlockSpec((a.shape[0], bn, a.shape[2]), lambda *g, tile=tile: (0, tile(g), 0)))
+            else:  # [N, cols]
+                specs.append(pl.BlockSpec((bn, a.shape[1]), lambda *g, tile=tile: (tile(g), 0)))
+            arrays.append(a)
+        parts.append(_Part(fmt, len(fields), tiles, steps, per_step, start))
+        start += tiles
+    return bn, parts, arrays, specs, cfgs
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def qgemv_many(x: jax.Array, ws: tuple, *, interpret: bool = False) -> tuple:
+    """``tuple(x @ w.T for w in ws)`` in one launch: several planes-layout weights that read the
+    same x (q, k and v of a layer), each with its own format.
+
+    Program i serves a row tile of one weight (``pl.when`` picks the weight, so only its loads
+    run). Per output row the products and the K accumulation are those of :func:`qgemv` on that
+    weight alone; the tile height (the largest power of two dividing every N, at most the
+    smallest of the weights' tuned ``block_n``) may differ from qgemv's, and with it how the
+    final sum over the W accumulator columns associates: the same ``rounding_depth`` bound
+    holds. Loop steps are each weight's own.
+
+    Args:
+      x: float ``[B, K]`` (B = 1..8).
+      ws: tuple of 2-D planes-layout PackedWeights ``[N_j, K]`` (Q8_0, Q4_K, Q5_K or Q6_K).
+      interpret: run with the Pallas interpreter (CPU tests).
+    Returns:
+      tuple of float32 ``[B, N_j]``.
+    """
+    k = x.shape[1]
+    if x.ndim != 2 or not 1 <= x.shape[0] <= 8:
+        raise ValueError(f"qgemv_many: x must be [B<=8, K], got {x.shape}")
+    for w in ws:
+        if T(w.qtype) not in FORMATS or len(w.shape) != 2 or w.shape[1] != k or w.layout != "planes":
+            raise ValueError(f"qgemv_many: needs 2-D planes-layout Q8_0/Q4_K/Q5_K/Q6_K weights [N, {k}], got "
+                             f"{T(w.qtype).name} {w.shape} {w.layout}")
+    bn, parts, arrays, specs, cfgs = _many_operands(ws, k)
+    start = sum(p.tiles for p in parts)
+    nrows = x.shape[0]
+    y = pl.pallas_call(
+        functools.partial(_many_kernel, parts=tuple(parts), nrows=nrows, bn=bn),
+        out_shape=jax.ShapeDtypeStruct((nrows, start * bn), F32),
+        grid=(start,),
+        in_specs=[pl.BlockSpec((nrows, k), lambda i: (0, 0)), *specs],
+        out_specs=pl.BlockSpec((nrows, bn), lambda i: (0, i)),
+        compiler_params=plgpu.CompilerParams(num_warps=max(c.num_warps for c in cfgs),
+                                             num_stages=max(c.num_stages for c in cfgs)),
+        interpret=interpret,
+        name="qgemv_many",
+    )(x, *arrays)
+    bounds = [p.start * bn for p in parts] + [start * bn]
+    return tuple(y[:, a:b] for a, b in zip(bounds[:-1], bounds[1:]))
