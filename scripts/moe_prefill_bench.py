@@ -40,12 +40,14 @@ DEFAULT_SWEEP = [
     (32, 64, 4, 2, "bf16"),
     (16, 64, 4, 2, "tf32x3"), (64, 64, 4, 2, "tf32x3"), (32, 128, 4, 2, "tf32x3"), (64, 128, 8, 2, "tf32x3"),
     (32, 64, 4, 3, "tf32x3"), (16, 128, 4, 2, "tf32x3"), (64, 32, 4, 2, "tf32x3"),
+    (64, 64, 4, 2, "tf32x3", True), (64, 64, 8, 2, "tf32x3", True), (64, 64, 4, 2, "tf32", True),
 ]
 
 
 def parse_config(text: str) -> GemmConfig:
-    bm, bn, warps, stages, precision = text.split(",")
-    return GemmConfig(int(bm), int(bn), int(warps), int(stages), precision)
+    """block_m,block_n,num_warps,num_stages,precision[,wide]"""
+    bm, bn, warps, stages, precision, *wide = text.split(",")
+    return GemmConfig(int(bm), int(bn), int(warps), int(stages), precision, wide == ["wide"])
 
 
 def run(n_tok: int, dims: dict, weights: tuple, configs: list[GemmConfig], a, rng) -> dict:
@@ -66,7 +68,8 @@ def run(n_tok: int, dims: dict, weights: tuple, configs: list[GemmConfig], a, rn
     rows = []
     packed = tuple(w.packed for w in weights)
     for cfg in configs:
-        row = dict(config=[cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.precision])
+        row = dict(config=[cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.precision]
+                   + (["wide"] if cfg.wide else []))
         try:
             fn = jax.jit(lambda x, ex, wt, g, u, dn, cfg=cfg: _moe_swiglu_gemm(x, ex, wt, g, u, dn, "none", cfg))
             y = np.asarray(fn(x, sets[0], wt, *packed), np.float64)
@@ -85,7 +88,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", default="512", help="comma list of token counts T")
     p.add_argument("--configs", nargs="*", default=None,
-                   help="launch configurations block_m,block_n,num_warps,num_stages,precision "
+                   help="launch configurations block_m,block_n,num_warps,num_stages,precision[,wide] "
                         "(default: a sweep of precisions and tiles)")
     p.add_argument("--reps", type=int, default=10, help="timing samples; the median is reported")
     p.add_argument("--calls", type=int, default=5, help="back-to-back calls per sample")

@@ -57,6 +57,19 @@ def test_matches_reference(qtype):
     assert errors(y, x, w64, experts, qtype, DEPTH_CFG).max() <= 1.0
 
 
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K], ids=lambda t: t.name)
+def test_wide_chunks_match_reference(qtype):
+    # the whole-chunk tile forms the same weights; one K=256 product per chunk has a rounding depth
+    # of at most K/256 + 256 (the planes path: K/32 + 32), so the bound is rescaled to that depth
+    rng = np.random.default_rng(int(qtype) + 7)
+    raw, pw, w64 = stacked(qtype, 4, 32, 512, rng)
+    experts = jnp.asarray(rng.integers(0, 4, 24), jnp.int32)
+    x = jnp.asarray(rng.standard_normal((24, 512)), jnp.float32)
+    wide = grouped(x, pw, experts, GemmConfig(block_m=16, block_n=16, precision="ieee", wide=True))
+    planes_depth, wide_depth = 512 // 32 + 32, 512 // 256 + 256
+    assert (errors(wide, x, w64, experts, qtype, DEPTH_CFG) * planes_depth / wide_depth).max() <= 1.0
+
+
 def test_bound_catches_a_wrong_expert():
     # guards the test: the right outputs judged against another expert fail the bound everywhere
     rng = np.random.default_rng(11)
@@ -84,15 +97,17 @@ def test_bad_inputs_raise():
 
 
 @pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
-@pytest.mark.parametrize("qtype,precision", [(q, "tf32x3") for q in PACKABLE] + [
-    (T.Q4_K, p) for p in ("ieee", "tf32", "bf16x3", "bf16")], ids=lambda v: getattr(v, "name", v))
-def test_lowers_to_triton_for_h200(qtype, precision, monkeypatch):
-    """A verified Triton module for sm_90 at every format (tf32x3) and every precision (Q4_K)."""
+@pytest.mark.parametrize("qtype,precision,wide", [(q, "tf32x3", False) for q in PACKABLE] + [
+    (T.Q4_K, p, False) for p in ("ieee", "tf32", "bf16x3", "bf16")] + [(T.Q4_K, "tf32x3", True), (T.Q5_K, "tf32", True)],
+    ids=lambda v: getattr(v, "name", str(v)))
+def test_lowers_to_triton_for_h200(qtype, precision, wide, monkeypatch):
+    """A verified Triton module for sm_90 at every format (tf32x3), every precision (Q4_K) and
+    with whole-chunk tiles."""
     e, n, k = 6, 128, 512
     raw = np.stack([weight(qtype, n, k, np.random.default_rng(0)) for _ in range(e)])
     pw = repack(raw, qtype, (e, n, k))
     x = jax.ShapeDtypeStruct((64, k), jnp.float32)
     tiles = jax.ShapeDtypeStruct((2,), jnp.int32)
-    cfg = GemmConfig(precision=precision)
+    cfg = GemmConfig(precision=precision, wide=wide)
     built = triton_kernels(monkeypatch, lambda x, w, t: moe_gemm(x, w, t, config=cfg), x, pw, tiles)
     assert built == [(f"moe_gemm_{qtype.name.lower()}", 90, True)]

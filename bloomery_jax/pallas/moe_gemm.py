@@ -12,7 +12,9 @@ its tile's expert index, walks K chunk by chunk, dequantizes each plane of rows
 bodies, exact values) and multiply-adds ``x_tile [block_m, W] @ w_tile^T`` on the tensor cores.
 Nothing is dequantized outside the kernel; each expert's weight is read once per row tile of x.
 
-Precision is a launch parameter: ``"ieee"`` (plain f32 FMAs), ``"tf32x3"`` (three TF32 passes,
+``wide`` (Q4_K, Q5_K) builds a whole 256-column chunk at once over a plane axis and takes one
+K=256 product per chunk instead of eight K=32 ones (fewer layout conversions of fresh tiles;
+not yet timed on the GPU). Precision is a launch parameter: ``"ieee"`` (plain f32 FMAs), ``"tf32x3"`` (three TF32 passes,
 close to f32), ``"tf32"``, ``"bf16x3"``, ``"bf16"``. In the interpreter (CPU tests) every
 choice runs as an f32 product at HIGHEST, so the tests check the tiling and dequantization and
 the GPU bench measures what each precision costs in error and time.
@@ -57,6 +59,7 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 2
     precision: str = "tf32x3"
+    wide: bool = False  # one K=chunk product per chunk (Q4_K, Q5_K) instead of one per plane
 
 
 def pick_gemm_config(n_pairs: int, n_experts: int) -> GemmConfig:
@@ -109,7 +112,7 @@ def plan_tiles(experts: jax.Array, n_experts: int, block_m: int) -> TilePlan:
     return TilePlan(rows, dest, jnp.where(tile_start < pad_end[-1], tile_experts, -1))
 
 
-def _gemm_kernel(e_ref, x_ref, *refs, fmt, n_experts: int, chunks: int, algorithm):
+def _gemm_kernel(e_ref, x_ref, *refs, fmt, n_experts: int, chunks: int, algorithm, wide: bool):
     *w_refs, o_ref = refs  # e_ref [1] int32, x_ref [BM, K], w_refs [E, ...] blocks, o_ref [BM, BN]
     e = e_ref[0]
 
@@ -118,8 +121,12 @@ def _gemm_kernel(e_ref, x_ref, *refs, fmt, n_experts: int, chunks: int, algorith
         views = [_ExpertView(r, jnp.minimum(e, n_experts - 1)) for r in w_refs]
 
         def step(c, acc):
-            for col, w in fmt.planes(c, views):
-                xt = x_ref[:, pl.ds(col, fmt.width)].astype(F32)  # [BM, W]
+            if wide:
+                tiles = [(c * fmt.chunk, fmt.chunk_tile(c, views))]  # [BN, chunk]
+            else:
+                tiles = fmt.planes(c, views)  # [BN, W] each
+            for col, w in tiles:
+                xt = x_ref[:, pl.ds(col, w.shape[1])].astype(F32)  # [BM, W or chunk]
                 acc = acc + jax.lax.dot_general(xt, w, _NT, precision=algorithm,
                                                 preferred_element_type=F32)  # [BM, BN]
             return acc
@@ -156,7 +163,8 @@ def moe_gemm(x: jax.Array, w: PackedWeight, tile_experts: jax.Array, *, config: 
     bn = _largest_divisor(n, config.block_n, pow2=True)
     arrays, specs = _operands(w, bn)
     algorithm = jax.lax.Precision.HIGHEST if interpret else _ALGORITHMS[config.precision]
-    kernel = functools.partial(_gemm_kernel, fmt=fmt, n_experts=n_exp, chunks=k // fmt.chunk, algorithm=algorithm)
+    kernel = functools.partial(_gemm_kernel, fmt=fmt, n_experts=n_exp, chunks=k // fmt.chunk, algorithm=algorithm,
+                               wide=config.wide and fmt.chunk_tile is not None)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((x.shape[0], n), F32),

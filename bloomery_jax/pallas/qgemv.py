@@ -49,6 +49,7 @@ class _Format:
     chunk: int  # elements of a row per chunk
     width: int  # columns W of a plane tile (= accumulator width)
     planes: object  # (c, refs) -> iterable of (col, w): chunk c's float32 [BN, W] tiles, w = columns col..col+W
+    chunk_tile: object = None  # (c, refs) -> float32 [BN, chunk]: the whole chunk at once, where built
 
 
 def _as_f32(q: jax.Array, offset: float = TWO23) -> jax.Array:
@@ -106,10 +107,32 @@ def _q6_k_planes(c, refs):
             yield c * 256 + h * 128 + p * 16, dl[:, None] * _as_f32(q, TWO23 + 32.0)  # quants biased by 32
 
 
+def _k4_chunk(c, refs, with_qh):
+    """Chunk c of a Q4_K/Q5_K row tile as one float32 ``[BN, 256]`` tile (element order), the
+    eight planes built at once over a plane axis instead of one by one (same values)."""
+    qs_ref, sc_ref, dm_ref, *qh_ref = refs
+    words = qs_ref[:, pl.ds(c * 32, 32)]  # [BN, 32]
+    p = jax.lax.broadcasted_iota(jnp.int32, (1, 8), 1)  # [1, 8] plane (sub-block) index
+    a, b, cc = (sc_ref[c, i, :][:, None] for i in range(3))  # [BN, 1] packed 6-bit fields
+    u = 8 * (p - 4)
+    lo = p < 4
+    sc = jnp.where(lo, (a >> (8 * p)) & 63, ((cc >> u) & 0x0F) | (((a >> (u + 6)) & 3) << 4))  # [BN, 8]
+    mn = jnp.where(lo, (b >> (8 * p)) & 63, ((cc >> (u + 4)) & 0x0F) | (((b >> (u + 6)) & 3) << 4))
+    d, dmin = dm_ref[c, 0, :].astype(F32)[:, None], dm_ref[c, 1, :].astype(F32)[:, None]  # [BN, 1]
+    dl, ml = d * sc.astype(F32), dmin * mn.astype(F32)  # [BN, 8], exact products
+    shifts = 4 * p[:, :, None]  # [1, 8, 1]
+    q = (words[:, None, :] >> shifts) & 0xF  # [BN, 8, 32]
+    if with_qh:
+        qh = qh_ref[0][:, pl.ds(c * 32, 32)].astype(jnp.int32)  # [BN, 32]
+        q = q | (((qh[:, None, :] >> p[:, :, None]) & 1) << 4)
+    w = dl[:, :, None] * _as_f32(q) - ml[:, :, None]  # [BN, 8, 32]
+    return w.reshape(w.shape[0], 256)  # [BN, 256]: element 32 p + j of the chunk
+
+
 FORMATS = {
     T.Q8_0: _Format(128, 32, _q8_0_planes),
-    T.Q4_K: _Format(256, 32, functools.partial(_k4_planes, with_qh=False)),
-    T.Q5_K: _Format(256, 32, functools.partial(_k4_planes, with_qh=True)),
+    T.Q4_K: _Format(256, 32, functools.partial(_k4_planes, with_qh=False), functools.partial(_k4_chunk, with_qh=False)),
+    T.Q5_K: _Format(256, 32, functools.partial(_k4_planes, with_qh=True), functools.partial(_k4_chunk, with_qh=True)),
     T.Q6_K: _Format(256, 16, _q6_k_planes),
 }
 
