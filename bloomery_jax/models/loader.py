@@ -81,8 +81,8 @@ def load_model(path: str | os.PathLike, *, device=None, place="card", reserve_by
       kernels: "reference" (jnp dequantize + matmul), "pallas" (card matmul weights repacked
         on the device for the Pallas kernels; ``weights`` must then be blocks or auto),
         "pallas-tf32" (as pallas, prefill experts in one TF32 pass instead of three: sets
-        ``cfg.moe_precision``) or "auto" (pallas on a GPU, else reference). Weights no kernel can serve are listed
-        on stderr and run the reference path.
+        ``cfg.moe_precision``) or "auto" (pallas on a GPU, else reference). Weights no kernel
+        can serve are listed on stderr and run the reference path.
     Returns:
       the Model.
     """

@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ..quant.repack import PackedWeight
-from .qgemv import FORMATS, F32, _accumulate, _launch, _many_operands, _weight_fields
+from .qgemv import FORMATS, F32, _accumulate, _launch, _weight_fields, many_operands, run_parts
 from .qgemv_tuned import GemvConfig, pick_config
 
 __all__ = ["GemvConfig", "moe_gemv", "moe_gemv_many"]
@@ -115,20 +115,8 @@ def moe_gemv(x: jax.Array, w: PackedWeight, experts: jax.Array, *, config: GemvC
 
 
 def _moe_many_kernel(e_ref, x_ref, *refs, parts, n_experts: int, bn: int):
-    o_ref = refs[-1]  # [1, BN]
-    i = pl.program_id(1)
     e = jnp.clip(e_ref[0], 0, n_experts - 1)
-    at = 0
-    for part in parts:
-        fmt, n_fields, tiles, steps, per_step = part
-        views = [_ExpertView(r, e) for r in refs[at:at + n_fields]]
-
-        @pl.when((i >= part.start) & (i < part.start + tiles))
-        def _(views=views, fmt=fmt, steps=steps, per_step=per_step):
-            (y,) = _accumulate(x_ref, views, fmt=fmt, bn=bn, nrows=1, steps=steps, per_step=per_step)
-            o_ref[0, :] = y
-
-        at += n_fields
+    run_parts(pl.program_id(1), x_ref, refs[:-1], refs[-1], parts, bn=bn, nrows=1, view=lambda r: _ExpertView(r, e))
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
@@ -154,7 +142,7 @@ def moe_gemv_many(x: jax.Array, ws: tuple, experts: jax.Array, *, interpret: boo
                              f"got {T(w.qtype).name} {w.shape} {w.layout}")
     if x.ndim != 2 or x.shape[1] != k or experts.shape != (x.shape[0],):
         raise ValueError(f"moe_gemv_many: x must be [P, {k}] and experts [P], got {x.shape} and {experts.shape}")
-    bn, parts, arrays, specs, cfgs = _many_operands(ws, k)
+    bn, parts, arrays, specs, cfgs = many_operands(ws, k)
     start = sum(p.tiles for p in parts)
     n_pairs = x.shape[0]
     y = pl.pallas_call(

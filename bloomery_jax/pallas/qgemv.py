@@ -257,38 +257,40 @@ def qgemv(x: jax.Array, w: PackedWeight, *, config: GemvConfig | None = None,
     return y[0] if squeeze else y
 
 
-def _many_kernel(x_ref, *refs, parts, nrows: int, bn: int):
-    """Program i computes the row tile of the weight whose tiles cover i (one ``pl.when`` per weight)."""
-    o_ref = refs[-1]
-    i = pl.program_id(0)
-    at = 0
-    for part in parts:  # (fmt, n_fields, tiles, steps, per_step) per weight, in output order
-        fmt, n_fields, tiles, steps, per_step = part
-        w_refs = refs[at:at + n_fields]
-
-        @pl.when((i >= part.start) & (i < part.start + tiles))
-        def _(w_refs=w_refs, fmt=fmt, steps=steps, per_step=per_step):
-            ys = _accumulate(x_ref, w_refs, fmt=fmt, bn=bn, nrows=nrows, steps=steps, per_step=per_step)
-            for b in range(nrows):
-                o_ref[b, :] = ys[b]
-
-        at += n_fields
-
-
 @dataclasses.dataclass(frozen=True)
 class _Part:
+    """One weight of a launch over several: its format, fields, row tiles and loop steps."""
+
     fmt: _Format
     n_fields: int
     tiles: int
     steps: int
     per_step: int
-    start: int  # first program of this weight
-
-    def __iter__(self):  # unpacked as (fmt, n_fields, tiles, steps, per_step)
-        return iter((self.fmt, self.n_fields, self.tiles, self.steps, self.per_step))
+    start: int  # first program (along the tile axis) of this weight
 
 
-def _many_operands(ws, k: int):
+def run_parts(i, x_ref, w_refs, o_ref, parts, *, bn: int, nrows: int, view=lambda r: r):
+    """Program i of a launch over several weights: the row tile of the weight whose tiles cover
+    i (one ``pl.when`` per weight, so only that weight's loads run). ``view`` wraps each weight
+    ref (``moe_gemv`` prefixes the pair's expert)."""
+    at = 0
+    for part in parts:
+        refs = [view(r) for r in w_refs[at:at + part.n_fields]]
+
+        @pl.when((i >= part.start) & (i < part.start + part.tiles))
+        def _(refs=refs, part=part):
+            ys = _accumulate(x_ref, refs, fmt=part.fmt, bn=bn, nrows=nrows, steps=part.steps, per_step=part.per_step)
+            for b in range(nrows):
+                o_ref[b, :] = ys[b]
+
+        at += part.n_fields
+
+
+def _many_kernel(x_ref, *refs, parts, nrows: int, bn: int):
+    run_parts(pl.program_id(0), x_ref, refs[:-1], refs[-1], parts, bn=bn, nrows=nrows)
+
+
+def many_operands(ws, k: int):
     """What one launch over several planes-layout weights (2-D ``[N, K]`` or stacked ``[E, N, K]``)
     needs: the common tile height, each weight's ``_Part``, the arrays with BlockSpecs (the last
     grid axis walks the tiles of all weights in turn) and the weights' configs."""
@@ -342,7 +344,7 @@ def qgemv_many(x: jax.Array, ws: tuple, *, interpret: bool = False) -> tuple:
         if T(w.qtype) not in FORMATS or len(w.shape) != 2 or w.shape[1] != k or w.layout != "planes":
             raise ValueError(f"qgemv_many: needs 2-D planes-layout Q8_0/Q4_K/Q5_K/Q6_K weights [N, {k}], got "
                              f"{T(w.qtype).name} {w.shape} {w.layout}")
-    bn, parts, arrays, specs, cfgs = _many_operands(ws, k)
+    bn, parts, arrays, specs, cfgs = many_operands(ws, k)
     start = sum(p.tiles for p in parts)
     nrows = x.shape[0]
     y = pl.pallas_call(
