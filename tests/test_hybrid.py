@@ -114,6 +114,19 @@ def test_prefill_streams_host_experts(model_file, rule):
     assert bridge.stats.streamed_bytes == 2 * per_step and bridge.stats.calls == 0
 
 
+def test_card_served_counts_streamed_prefill_as_card(synth_model):
+    # a 32-token prefill chunk streams every host expert to the card: all its calls are card-served;
+    # the decode steps after it run host experts on the host
+    path, _ = synth_model(qtype="Q8_0", seed=11, **SHAPE)
+    eng = Engine(load_model(path, place="cpu-moe"), n_slots=1, max_context=64, ubatch=32, min_chunk=32)
+    seq = eng.add(prompt(2)[:33].tolist(), SamplingParams(temperature=0.0))
+    eng.prefill(seq)
+    routed = 32 * SHAPE["n_experts_used"] * SHAPE["n_layers"]
+    assert eng.card_calls == eng.routed_calls == routed
+    eng.decode([seq])
+    assert eng.card_calls == routed and eng.routed_calls == routed + SHAPE["n_experts_used"] * SHAPE["n_layers"]
+
+
 def test_random_placements_match_card(model_file):
     path, tokens, reference, keep = model_file
     rng = np.random.default_rng(5)
