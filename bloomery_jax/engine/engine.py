@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..errors import ConfigError
-from ..ops.experts import STREAM_MIN_TOKENS
+from ..ops.experts import streams_host_experts
 from ..placement.table import card_calls
 from . import cache as cache_ops
 from . import sampling
@@ -238,7 +238,7 @@ class Engine:
         experts = np.asarray(self.last_routing.experts)  # [L, B, T, k]
         if hybrid:
             card, routed = card_calls(self.placement.slot_of, experts[:, np.asarray(mask, bool)])  # real tokens
-            if np.shape(mask)[-1] >= STREAM_MIN_TOKENS:  # a prefill that streamed its host experts: all on the card
+            if streams_host_experts(np.size(mask)):  # the step streamed its host experts: all on the card
                 card = routed
             self.card_calls += card
             self.routed_calls += routed

@@ -35,6 +35,12 @@ from .qmatmul import as_f32, interpret_kernels, weight_qtype
 MOE_GEMV_MAX_PAIRS = 64
 STREAM_MIN_TOKENS = 32  # steps of this many tokens stream a layer's host experts to the card (prefill)
 
+
+def streams_host_experts(n_tokens: int) -> bool:
+    """Does a step of ``n_tokens`` tokens (all sequences, padding included: a static shape)
+    compute its host experts on the card from streamed weights (``placed_moe_swiglu``)?"""
+    return n_tokens >= STREAM_MIN_TOKENS
+
 HIGHEST = jax.lax.Precision.HIGHEST
 
 # lhs [M, K] (rows grouped by expert) x rhs [E, N, K] (GGUF [out, in] per expert) -> [M, N]
@@ -171,7 +177,7 @@ def placed_moe_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate
     if placement is None:
         return moe_swiglu(x, experts, weights, gate, up, down, act_rounding, precision)
     host = placement.host if placement.host is not None and placement.host.has_layer(layer) else None
-    if host is not None and x.shape[0] >= STREAM_MIN_TOKENS:
+    if host is not None and streams_host_experts(x.shape[0]):
         full = [host.stream(layer, role) for role in ("gate", "up", "down")]  # QTensor [E, ...] each
         if isinstance(gate, PackedWeight):  # the kernels read the planes layout: repack on the card
             full = [repack_on_device(q.data, q.qtype, q.shape) for q in full]
