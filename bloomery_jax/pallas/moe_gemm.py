@@ -27,12 +27,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from gguf import GGMLQuantizationType as T
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ..quant.repack import PackedWeight
-from .moe_gemv import _ExpertView, _operands
+from .moe_gemv import _ExpertView, _operands, check_stacked
 from .qgemv import F32, FORMATS, _largest_divisor
 
 __all__ = ["GemmConfig", "TilePlan", "moe_gemm", "pick_gemm_config", "plan_tiles"]
@@ -148,10 +147,7 @@ def moe_gemm(x: jax.Array, w: PackedWeight, tile_experts: jax.Array, *, config: 
     Returns:
       float32 ``[M, N]``.
     """
-    qtype = T(w.qtype)
-    if qtype not in FORMATS or len(w.shape) != 3 or w.layout != "planes":
-        raise ValueError(f"moe_gemm: needs a 3-D planes-layout Q8_0/Q4_K/Q5_K/Q6_K weight, got "
-                         f"{qtype.name} {w.shape} {w.layout}")
+    qtype = check_stacked(w, "moe_gemm")
     if config.precision not in _ALGORITHMS:
         raise ValueError(f"moe_gemm: precision {config.precision!r} is not one of {sorted(_ALGORITHMS)}")
     n_exp, n, k = w.shape

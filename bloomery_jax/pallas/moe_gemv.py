@@ -51,6 +51,15 @@ class _ExpertView:
         return self.ref[(self.e, *(idx if isinstance(idx, tuple) else (idx,)))]
 
 
+def check_stacked(w: PackedWeight, name: str) -> T:
+    """The type of a stacked expert weight the MoE kernels can read ([E, N, K], planes layout)."""
+    qtype = T(w.qtype)
+    if qtype not in FORMATS or len(w.shape) != 3 or w.layout != "planes":
+        raise ValueError(f"{name}: needs a 3-D planes-layout Q8_0/Q4_K/Q5_K/Q6_K weight, got "
+                         f"{qtype.name} {w.shape} {w.layout}")
+    return qtype
+
+
 def _moe_kernel(e_ref, x_ref, *refs, fmt, n_experts: int, steps: int, per_step: int):
     *w_refs, o_ref = refs  # e_ref [1] int32, x_ref [1, K], w_refs [E, ...] blocks, o_ref [1, BN]
     e = jnp.clip(e_ref[0], 0, n_experts - 1)  # a bad index must not read out of bounds
@@ -87,10 +96,7 @@ def moe_gemv(x: jax.Array, w: PackedWeight, experts: jax.Array, *, config: GemvC
     Returns:
       float32 ``[P, N]``.
     """
-    qtype = T(w.qtype)
-    if qtype not in FORMATS or len(w.shape) != 3 or w.layout != "planes":
-        raise ValueError(f"moe_gemv: needs a 3-D planes-layout Q8_0/Q4_K/Q5_K/Q6_K weight, got "
-                         f"{qtype.name} {w.shape} {w.layout}")
+    qtype = check_stacked(w, "moe_gemv")
     n_exp, n, k = w.shape
     if x.ndim != 2 or x.shape[1] != k or experts.shape != (x.shape[0],):
         raise ValueError(f"moe_gemv: x must be [P, {k}] and experts [P], got {x.shape} and {experts.shape}")
@@ -135,26 +141,18 @@ def moe_gemv_many(x: jax.Array, ws: tuple, experts: jax.Array, *, interpret: boo
       tuple of float32 ``[P, N_j]``.
     """
     n_exp, _, k = ws[0].shape
-    for w in ws:
-        if (T(w.qtype) not in FORMATS or len(w.shape) != 3 or w.layout != "planes" or w.shape[0] != n_exp
-                or w.shape[2] != k):
-            raise ValueError(f"moe_gemv_many: needs 3-D planes-layout Q8_0/Q4_K/Q5_K/Q6_K weights [{n_exp}, N, {k}], "
-                             f"got {T(w.qtype).name} {w.shape} {w.layout}")
     if x.ndim != 2 or x.shape[1] != k or experts.shape != (x.shape[0],):
         raise ValueError(f"moe_gemv_many: x must be [P, {k}] and experts [P], got {x.shape} and {experts.shape}")
-    bn, parts, arrays, specs, cfgs = many_operands(ws, k)
-    start = sum(p.tiles for p in parts)
+    m = many_operands(ws, k, (n_exp,), "moe_gemv_many")
     n_pairs = x.shape[0]
     y = pl.pallas_call(
-        functools.partial(_moe_many_kernel, parts=tuple(parts), n_experts=n_exp, bn=bn),
-        out_shape=jax.ShapeDtypeStruct((n_pairs, start * bn), F32),
-        grid=(n_pairs, start),
-        in_specs=[pl.BlockSpec((1,), lambda p, i: (p,)), pl.BlockSpec((1, k), lambda p, i: (p, 0)), *specs],
-        out_specs=pl.BlockSpec((1, bn), lambda p, i: (p, i)),
-        compiler_params=plgpu.CompilerParams(num_warps=max(c.num_warps for c in cfgs),
-                                             num_stages=max(c.num_stages for c in cfgs)),
+        functools.partial(_moe_many_kernel, parts=m.parts, n_experts=n_exp, bn=m.bn),
+        out_shape=jax.ShapeDtypeStruct((n_pairs, m.tiles * m.bn), F32),
+        grid=(n_pairs, m.tiles),
+        in_specs=[pl.BlockSpec((1,), lambda p, i: (p,)), pl.BlockSpec((1, k), lambda p, i: (p, 0)), *m.specs],
+        out_specs=pl.BlockSpec((1, m.bn), lambda p, i: (p, i)),
+        compiler_params=m.compiler_params,
         interpret=interpret,
         name="moe_gemv_many",
-    )(experts.astype(jnp.int32), x, *arrays)
-    bounds = [p.start * bn for p in parts] + [start * bn]
-    return tuple(y[:, a:b] for a, b in zip(bounds[:-1], bounds[1:]))
+    )(experts.astype(jnp.int32), x, *m.arrays)
+    return m.split(y)

@@ -290,10 +290,33 @@ def _many_kernel(x_ref, *refs, parts, nrows: int, bn: int):
     run_parts(pl.program_id(0), x_ref, refs[:-1], refs[-1], parts, bn=bn, nrows=nrows)
 
 
-def many_operands(ws, k: int):
-    """What one launch over several planes-layout weights (2-D ``[N, K]`` or stacked ``[E, N, K]``)
-    needs: the common tile height, each weight's ``_Part``, the arrays with BlockSpecs (the last
-    grid axis walks the tiles of all weights in turn) and the weights' configs."""
+@dataclasses.dataclass(frozen=True)
+class Many:
+    """What one launch over several planes-layout weights needs (``many_operands``)."""
+
+    bn: int  # common tile height
+    parts: tuple  # each weight's _Part, in output order
+    arrays: list  # the weights' fields in kernel order
+    specs: list  # their BlockSpecs: the last grid axis walks the tiles of all weights in turn
+    tiles: int  # programs along that axis
+    compiler_params: object
+
+    def split(self, y: jax.Array) -> tuple:
+        """The launch's ``[..., tiles * bn]`` output cut into each weight's ``[..., N_j]``."""
+        bounds = [p.start * self.bn for p in self.parts] + [self.tiles * self.bn]
+        return tuple(y[..., a:b] for a, b in zip(bounds[:-1], bounds[1:]))
+
+
+def many_operands(ws, k: int, lead: tuple, name: str) -> Many:
+    """Check and lay out weights for one launch: each a planes-layout Q8_0/Q4_K/Q5_K/Q6_K
+    PackedWeight of shape ``[*lead, N_j, K]`` (2-D dense weights: lead ``()``; stacked experts:
+    ``(E,)``). The tile height is the largest power of two dividing every N, at most the
+    smallest of the weights' tuned ``block_n``; loop steps are each weight's own."""
+    for w in ws:
+        if (T(w.qtype) not in FORMATS or w.layout != "planes" or len(w.shape) != len(lead) + 2
+                or tuple(w.shape[:-2]) != lead or w.shape[-1] != k):
+            raise ValueError(f"{name}: needs planes-layout Q8_0/Q4_K/Q5_K/Q6_K weights [{', '.join(map(str, lead + ('N', k)))}], "
+                             f"got {T(w.qtype).name} {w.shape} {w.layout}")
     cfgs = [pick_config("planes", T(w.qtype).name, *w.shape[-2:]) for w in ws]
     bn = min(cfg.block_n for cfg in cfgs)
     while any(w.shape[-2] % bn for w in ws):
@@ -308,14 +331,15 @@ def many_operands(ws, k: int):
             tile = lambda g, s=start, t=tiles: jnp.clip(g[-1] - s, 0, t - 1)  # this weight's tile of a program
             if rows_last:  # [..., chunks, fields, N]
                 specs.append(pl.BlockSpec((*a.shape[:-1], bn), lambda *g, tile=tile, nd=a.ndim: (0,) * (nd - 1) + (tile(g),)))
-            elif len(w.shape) == 3:  # [E, N, cols]
+            elif lead:  # [E, N, cols]
                 specs.append(pl.BlockSpec((a.shape[0], bn, a.shape[2]), lambda *g, tile=tile: (0, tile(g), 0)))
             else:  # [N, cols]
                 specs.append(pl.BlockSpec((bn, a.shape[1]), lambda *g, tile=tile: (tile(g), 0)))
             arrays.append(a)
         parts.append(_Part(fmt, len(fields), tiles, steps, per_step, start))
         start += tiles
-    return bn, parts, arrays, specs, cfgs
+    params = plgpu.CompilerParams(num_warps=max(c.num_warps for c in cfgs), num_stages=max(c.num_stages for c in cfgs))
+    return Many(bn, tuple(parts), arrays, specs, start, params)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
@@ -325,10 +349,9 @@ def qgemv_many(x: jax.Array, ws: tuple, *, interpret: bool = False) -> tuple:
 
     Program i serves a row tile of one weight (``pl.when`` picks the weight, so only its loads
     run). Per output row the products and the K accumulation are those of :func:`qgemv` on that
-    weight alone; the tile height (the largest power of two dividing every N, at most the
-    smallest of the weights' tuned ``block_n``) may differ from qgemv's, and with it how the
-    final sum over the W accumulator columns associates: the same ``rounding_depth`` bound
-    holds. Loop steps are each weight's own.
+    weight alone; the tile height (``many_operands``) may differ from qgemv's, and with it how
+    the final sum over the W accumulator columns associates: the same ``rounding_depth`` bound
+    holds.
 
     Args:
       x: float ``[B, K]`` (B = 1..8).
@@ -337,26 +360,18 @@ def qgemv_many(x: jax.Array, ws: tuple, *, interpret: bool = False) -> tuple:
     Returns:
       tuple of float32 ``[B, N_j]``.
     """
-    k = x.shape[1]
     if x.ndim != 2 or not 1 <= x.shape[0] <= 8:
         raise ValueError(f"qgemv_many: x must be [B<=8, K], got {x.shape}")
-    for w in ws:
-        if T(w.qtype) not in FORMATS or len(w.shape) != 2 or w.shape[1] != k or w.layout != "planes":
-            raise ValueError(f"qgemv_many: needs 2-D planes-layout Q8_0/Q4_K/Q5_K/Q6_K weights [N, {k}], got "
-                             f"{T(w.qtype).name} {w.shape} {w.layout}")
-    bn, parts, arrays, specs, cfgs = many_operands(ws, k)
-    start = sum(p.tiles for p in parts)
-    nrows = x.shape[0]
+    nrows, k = x.shape
+    m = many_operands(ws, k, (), "qgemv_many")
     y = pl.pallas_call(
-        functools.partial(_many_kernel, parts=tuple(parts), nrows=nrows, bn=bn),
-        out_shape=jax.ShapeDtypeStruct((nrows, start * bn), F32),
-        grid=(start,),
-        in_specs=[pl.BlockSpec((nrows, k), lambda i: (0, 0)), *specs],
-        out_specs=pl.BlockSpec((nrows, bn), lambda i: (0, i)),
-        compiler_params=plgpu.CompilerParams(num_warps=max(c.num_warps for c in cfgs),
-                                             num_stages=max(c.num_stages for c in cfgs)),
+        functools.partial(_many_kernel, parts=m.parts, nrows=nrows, bn=m.bn),
+        out_shape=jax.ShapeDtypeStruct((nrows, m.tiles * m.bn), F32),
+        grid=(m.tiles,),
+        in_specs=[pl.BlockSpec((nrows, k), lambda i: (0, 0)), *m.specs],
+        out_specs=pl.BlockSpec((nrows, m.bn), lambda i: (0, i)),
+        compiler_params=m.compiler_params,
         interpret=interpret,
         name="qgemv_many",
-    )(x, *arrays)
-    bounds = [p.start * bn for p in parts] + [start * bn]
-    return tuple(y[:, a:b] for a, b in zip(bounds[:-1], bounds[1:]))
+    )(x, *m.arrays)
+    return m.split(y)
