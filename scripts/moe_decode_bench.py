@@ -62,6 +62,14 @@ class Weight:
         assert self.packed.nbytes == raw.nbytes  # the planes layout holds exactly the file's bytes
 
 
+def build_weights(dims: dict, rng) -> tuple[tuple, float]:
+    """gate, up (Q4_K ``[E, F, D]``) and down (Q6_K ``[E, D, F]``) of one layer, and the seconds taken."""
+    t0 = time.perf_counter()
+    e, f, d = dims["experts"], dims["ff"], dims["hidden"]
+    weights = (Weight(T.Q4_K, e, f, d, rng), Weight(T.Q4_K, e, f, d, rng), Weight(T.Q6_K, e, d, f, rng))
+    return weights, time.perf_counter() - t0
+
+
 def pair_proj(path: str, cfg, interpret: bool):
     """(x [P, K], w, experts [P]) -> [P, N] = x @ W[experts]^T for one path; w is the path's form
     of the weight (PackedWeight for moe_gemv, QTensor for xla_take), passed as an argument so
@@ -168,9 +176,8 @@ def main(argv=None):
     dims = SMOKE if a.interpret else QWEN3_30B
     rng = np.random.default_rng(a.seed)
     t0 = time.perf_counter()
+    weights, build_s = build_weights(dims, rng)
     e, f, d = dims["experts"], dims["ff"], dims["hidden"]
-    weights = (Weight(T.Q4_K, e, f, d, rng), Weight(T.Q4_K, e, f, d, rng), Weight(T.Q6_K, e, d, f, rng))
-    build_s = time.perf_counter() - t0
     runs = [run(int(v), dims, weights, a, rng) for v in a.pairs.split(",")]
     print(json.dumps(dict(
         bench="moe_decode", device=str(jax.devices()[0].device_kind), jax=jax.__version__, interpret=a.interpret,

@@ -28,9 +28,8 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
-from gguf import GGMLQuantizationType as T
 
-from moe_decode_bench import QWEN3_30B, SMOKE, Weight, median_us
+from moe_decode_bench import QWEN3_30B, SMOKE, build_weights, median_us
 from bloomery_jax.ops.experts import _moe_swiglu_gemm, moe_swiglu
 from bloomery_jax.pallas.moe_gemm import GemmConfig
 
@@ -108,9 +107,8 @@ def main(argv=None):
     dims = SMOKE if a.interpret else QWEN3_30B
     rng = np.random.default_rng(a.seed)
     t0 = time.perf_counter()
+    weights, build_s = build_weights(dims, rng)
     e, f, d = dims["experts"], dims["ff"], dims["hidden"]
-    weights = (Weight(T.Q4_K, e, f, d, rng), Weight(T.Q4_K, e, f, d, rng), Weight(T.Q6_K, e, d, f, rng))
-    build_s = time.perf_counter() - t0
     runs = [run(int(v), dims, weights, configs, a, rng) for v in a.tokens.split(",")]
     print(json.dumps(dict(
         bench="moe_prefill", device=str(jax.devices()[0].device_kind), jax=jax.__version__, interpret=a.interpret,
