@@ -132,12 +132,11 @@ def _moe_swiglu_gemv(x, experts, weights, gate, up, down, act_rounding):
     return _weighted_sum(moe_gemv(h, down, flat, interpret=interpret).reshape(N, k, -1), weights)  # [N, k, D] -> [N, D]
 
 
-def _moe_swiglu_gemm(x, experts, weights, gate, up, down, act_rounding, config=None):
-    """:func:`moe_swiglu` for many pairs with the Pallas grouped GEMM (packed weights);
-    ``config`` None picks ``pick_gemm_config`` for the pairs and experts."""
+def _moe_swiglu_gemm(x, experts, weights, gate, up, down, act_rounding, config):
+    """:func:`moe_swiglu` for many pairs with the Pallas grouped GEMM (packed weights), launched
+    with ``config`` (``pallas.moe_gemm.GemmConfig``)."""
     N, k = experts.shape
     interpret = interpret_kernels()
-    config = config or pick_gemm_config(N * k, gate.shape[0])
     plan = plan_tiles(experts.reshape(N * k), gate.shape[0], config.block_m)
     tok = plan.rows // k  # [M] token of each tiled row
     x = x.astype(jnp.float32)
