@@ -75,9 +75,20 @@ def rows_small():
 # the best planes configs of the first run (benchmarks/kernel_bench_2026-12-02.json, "discover")
 PLANES_BEST = {T.Q4_K: C(32, 4, 8, 3), T.Q6_K: C(16, 2, 8, 3), T.Q8_0: C(32, 4, 8, 3), T.Q5_K: C(32, 4, 8, 3)}
 
-# (shape names, formats, rows sweep, batch sizes for the winner, planes kernel too)
+
+
+def planes_decode():
+    """The planes kernel at decode shapes: rows per program, warps, and programs per row tile
+    (split_k) for matrices whose row tiles alone leave SMs idle."""
+    return [C(32, 4, 8, 3), C(16, 2, 4, 3), C(16, 2, 4, 3, 2), C(16, 2, 4, 3, 4), C(32, 2, 8, 3, 2),
+            C(32, 2, 8, 3, 4), C(8, 2, 2, 3), C(8, 2, 2, 3, 2), C(8, 1, 2, 3, 4), C(16, 1, 4, 3, 8)]
+
+
+# (shape names, formats, rows sweep, batch sizes for the winner, planes kernel too: True for
+# its best 8192x8192 config, or a list of configs to sweep)
 PLANS = {
     "square": [(["square_8192"], [T.Q4_K, T.Q6_K], rows_big, [1], False)],
+    "planes30b": [(["attn_q", "attn_kv", "attn_o", "expert_down"], [T.Q4_K, T.Q6_K], list, [1], planes_decode())],
     "tiny": [(["tiny"], [T.Q4_K, T.Q6_K], lambda: [C(16, 1, 4, 3), C(32, 2, 4, 3)], [1, 2], True)],
     "full": [
         (["square_8192"], FORMATS, rows_big, [1, 8], True),
@@ -260,7 +271,9 @@ class Bench:
         if (with_planes or best is None) and not self.over_budget():
             if "planes" not in stacks:  # the rows kernel failed to build: keep a kernel in the table
                 stacks["planes"] = copies(repack(raw, qtype, (n, k), "planes"), r)
-            measure("planes", 1, PLANES_BEST[qtype])
+            for cfg in with_planes if isinstance(with_planes, list) else [PLANES_BEST[qtype]]:
+                if not self.over_budget():
+                    measure("planes", 1, cfg)
         for b in batches:
             if self.over_budget():
                 break

@@ -163,7 +163,7 @@ def main(argv=None):
     p.add_argument("--calls", type=int, default=10, help="back-to-back calls per sample")
     p.add_argument("--sets", type=int, default=16, help="random expert sets the calls cycle through")
     p.add_argument("--config", type=lambda s: tuple(int(v) for v in s.split(",")), default=None,
-                   help="moe_gemv launch parameters block_n,chunks_per_step,num_warps,num_stages "
+                   help="moe_gemv launch parameters block_n,chunks_per_step,num_warps,num_stages[,split_k] "
                         "(default: qgemv_tuned's pick per shape)")
     p.add_argument("--interpret", action="store_true", help="CPU smoke run: Pallas interpreter, small shapes")
     p.add_argument("--seed", type=int, default=0)

@@ -154,3 +154,15 @@ def test_many_lowers_to_triton_for_h200(monkeypatch):
     experts = jax.ShapeDtypeStruct((8,), jnp.int32)
     assert triton_kernels(monkeypatch, lambda x, ws, e: moe_gemv_many(x, ws, e), x, ws, experts) == [
         ("moe_gemv_many", 90, True)]
+
+
+def test_split_k():
+    # 2 programs share each (pair, row tile): partial sums over halves of K, added after the launch
+    rng = np.random.default_rng(31)
+    cfg = GemvConfig(16, 1, 4, 3, 2)
+    raw, pw, w64 = stacked(T.Q4_K, 5, 32, 512, rng)
+    experts = jnp.asarray(rng.integers(0, 5, 7), jnp.int32)
+    x = jnp.asarray(rng.standard_normal((7, 512)), jnp.float32)
+    y = moe_gemv(x, pw, experts, config=cfg, interpret=True)
+    assert errors(y, x, w64, experts, T.Q4_K, cfg).max() <= 1.0
+    assert errors(y, x, w64, (experts + 1) % 5, T.Q4_K, cfg).max() > 1.0  # guards the test

@@ -136,3 +136,44 @@ def test_many_lowers_to_triton_for_h200(monkeypatch):
     ws = tuple(repack(weight(q, n, 2048, rng), q, (n, 2048)) for q, n in [(T.Q4_K, 4096), (T.Q4_K, 512), (T.Q6_K, 512)])
     x = jax.ShapeDtypeStruct((1, 2048), jnp.float32)
     assert triton_kernels(monkeypatch, lambda x, ws: qgemv_many(x, ws), x, ws) == [("qgemv_many", 90, True)]
+
+
+@pytest.mark.parametrize("qtype,cfg", [
+    (T.Q4_K, GemvConfig(16, 1, 4, 3, 2)),  # 2 chunks: each of 2 programs per row tile takes one
+    (T.Q8_0, GemvConfig(16, 1, 4, 3, 3)),  # 4 chunks: a split of 3 shrinks to 2 programs of 2 chunks
+    (T.Q6_K, GemvConfig(32, 1, 4, 3, 2)),
+], ids=lambda v: getattr(v, "name", None) or str(v.split_k))
+def test_split_k(qtype, cfg):
+    """Programs sharing a row tile's K range (partial sums added after the launch) stay inside the
+    bound, which counts the extra additions."""
+    check(qtype, "planes", 32, 512, 2, cfg, np.random.default_rng(11))
+
+
+@pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
+def test_split_k_lowers_to_triton_for_h200(monkeypatch):
+    from triton_lowering import triton_kernels
+
+    pw = repack(weight(T.Q4_K, 512, 2048, np.random.default_rng(0)), T.Q4_K, (512, 2048))
+    x = jax.ShapeDtypeStruct((1, 2048), jnp.float32)
+    assert triton_kernels(monkeypatch, lambda x, w: qgemv(x, w, config=GemvConfig(16, 2, 4, 3, 4)), x, pw) == [
+        ("qgemv_planes_q4_k", 90, True)]
+
+
+def test_many_split_k(monkeypatch):
+    """qgemv_many with the tuned split: every weight's chunks split the same way (Q4_K's 2 and
+    Q8_0's 4 chunks: a split of 2)."""
+    from bloomery_jax.pallas import qgemv_tuned
+    from bloomery_jax.pallas.qgemv import many_operands, qgemv_many
+
+    monkeypatch.setitem(qgemv_tuned.DEFAULTS, ("planes", "Q4_K"), (16, 1, 4, 3, 2))
+    monkeypatch.setitem(qgemv_tuned.DEFAULTS, ("planes", "Q8_0"), (16, 1, 4, 3, 4))
+    rng = np.random.default_rng(23)
+    ws = tuple(repack(weight(q, 32, 512, rng), q, (32, 512)) for q in (T.Q4_K, T.Q8_0))
+    assert many_operands(ws, 512, (), "test").split_k == 2
+    x = jnp.asarray(rng.standard_normal((2, 512)), jnp.float32)
+    xf = np.asarray(x, np.float64)
+    for y, w in zip(qgemv_many(x, ws, interpret=True), ws):
+        exact = xf @ np.asarray(dequantize_packed(w), np.float64).T
+        mag = np.abs(xf) @ np.asarray(scale_magnitudes(w), np.float64).T
+        bound = 1.01 * rounding_depth("planes", w.qtype, 512, GemvConfig(split_k=2)) * U * mag
+        assert (np.abs(np.asarray(y, np.float64) - exact) <= bound).all()

@@ -5,8 +5,8 @@ Contract: ``moe_gemv(x [P, K], w [E, N, K], experts [P]) -> float32 [P, N]`` wit
 expert; P is small, decode). Pairs may repeat an expert. Expert indices must lie in [0, E);
 others are clamped into that range so the kernel never reads outside the weight.
 
-How: the planes kernel of ``qgemv`` (same per-format bodies, same K loop) on a grid
-``(P, N / block_n)``. Program (p, i) reads row p of x and rows ``i*block_n..`` of expert
+How: the planes kernel of ``qgemv`` (same per-format bodies, same K loop, same split-K) on a
+grid ``(split_k, P, N / block_n)``. Program (s, p, i) reads row p of x and rows ``i*block_n..`` of expert
 ``experts[p]`` straight from the stacked ``[E, ...]`` arrays: nothing is gathered or
 dequantized outside the kernel, so a layer reads only the chosen experts' bytes. Pallas'
 Triton lowering has no scalar prefetch, so the expert cannot be chosen by a BlockSpec's index
@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ..quant.repack import PackedWeight
-from .qgemv import FORMATS, F32, _accumulate, _launch, _weight_fields, many_operands, run_parts
+from .qgemv import FORMATS, F32, _accumulate, _launch, _weight_fields, add_partials, many_operands, run_parts
 from .qgemv_tuned import GemvConfig, pick_config
 
 __all__ = ["GemvConfig", "moe_gemv", "moe_gemv_many"]
@@ -61,11 +61,12 @@ def check_stacked(w: PackedWeight, name: str) -> T:
 
 
 def _moe_kernel(e_ref, x_ref, *refs, fmt, n_experts: int, steps: int, per_step: int):
-    *w_refs, o_ref = refs  # e_ref [1] int32, x_ref [1, K], w_refs [E, ...] blocks, o_ref [1, BN]
+    *w_refs, o_ref = refs  # e_ref [1] int32, x_ref [1, K], w_refs [E, ...] blocks, o_ref [1, 1, BN]
     e = jnp.clip(e_ref[0], 0, n_experts - 1)  # a bad index must not read out of bounds
     views = [_ExpertView(r, e) for r in w_refs]
-    (y,) = _accumulate(x_ref, views, fmt=fmt, bn=o_ref.shape[1], nrows=1, steps=steps, per_step=per_step)
-    o_ref[0, :] = y
+    (y,) = _accumulate(x_ref, views, fmt=fmt, bn=o_ref.shape[2], nrows=1, steps=steps, per_step=per_step,
+                       first=pl.program_id(0) * (steps * per_step))
+    o_ref[0, 0, :] = y
 
 
 def _operands(w: PackedWeight, bn: int):
@@ -73,9 +74,9 @@ def _operands(w: PackedWeight, bn: int):
     arrays, specs = [], []
     for a, rows_last in _weight_fields(w):
         if rows_last:  # [E, chunks, fields, N]: the tile is a slice of the last axis
-            spec = pl.BlockSpec((*a.shape[:-1], bn), lambda p, i, nd=a.ndim: (0,) * (nd - 1) + (i,))
+            spec = pl.BlockSpec((*a.shape[:-1], bn), lambda s, p, i, nd=a.ndim: (0,) * (nd - 1) + (i,))
         else:  # [E, N, cols]
-            spec = pl.BlockSpec((a.shape[0], bn, a.shape[2]), lambda p, i: (0, i, 0))
+            spec = pl.BlockSpec((a.shape[0], bn, a.shape[2]), lambda s, p, i: (0, i, 0))
         arrays.append(a)
         specs.append(spec)
     return arrays, specs
@@ -102,27 +103,32 @@ def moe_gemv(x: jax.Array, w: PackedWeight, experts: jax.Array, *, config: GemvC
         raise ValueError(f"moe_gemv: x must be [P, {k}] and experts [P], got {x.shape} and {experts.shape}")
     cfg = config or pick_config("planes", qtype.name, n, k)
     fmt = FORMATS[qtype]
-    bn, steps, per_step = _launch(fmt, n, k, cfg)
+    bn, steps, per_step, split = _launch(fmt, n, k, cfg)
     arrays, specs = _operands(w, bn)
     n_pairs = x.shape[0]
     kernel = functools.partial(_moe_kernel, fmt=fmt, n_experts=n_exp, steps=steps, per_step=per_step)
-    return pl.pallas_call(
+    return add_partials(pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((n_pairs, n), F32),
-        grid=(n_pairs, n // bn),
-        in_specs=[pl.BlockSpec((1,), lambda p, i: (p,)),  # this pair's expert
-                  pl.BlockSpec((1, k), lambda p, i: (p, 0)),  # this pair's row of x
+        out_shape=jax.ShapeDtypeStruct((split, n_pairs, n), F32),
+        grid=(split, n_pairs, n // bn),
+        in_specs=[pl.BlockSpec((1,), lambda s, p, i: (p,)),  # this pair's expert
+                  pl.BlockSpec((1, k), lambda s, p, i: (p, 0)),  # this pair's row of x
                   *specs],
-        out_specs=pl.BlockSpec((1, bn), lambda p, i: (p, i)),
+        out_specs=pl.BlockSpec((1, 1, bn), lambda s, p, i: (s, p, i)),
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
         name=f"moe_gemv_{qtype.name.lower()}",
-    )(experts.astype(jnp.int32), x, *arrays)
+    )(experts.astype(jnp.int32), x, *arrays))
 
 
 def _moe_many_kernel(e_ref, x_ref, *refs, parts, n_experts: int, bn: int):
     e = jnp.clip(e_ref[0], 0, n_experts - 1)
-    run_parts(pl.program_id(1), x_ref, refs[:-1], refs[-1], parts, bn=bn, nrows=1, view=lambda r: _ExpertView(r, e))
+    o_ref = refs[-1]  # [1, 1, BN]
+
+    def store(b, y):
+        o_ref[0, 0, :] = y
+
+    run_parts(pl.program_id(2), x_ref, refs[:-1], store, parts, bn=bn, nrows=1, view=lambda r: _ExpertView(r, e))
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
@@ -147,10 +153,10 @@ def moe_gemv_many(x: jax.Array, ws: tuple, experts: jax.Array, *, interpret: boo
     n_pairs = x.shape[0]
     y = pl.pallas_call(
         functools.partial(_moe_many_kernel, parts=m.parts, n_experts=n_exp, bn=m.bn),
-        out_shape=jax.ShapeDtypeStruct((n_pairs, m.tiles * m.bn), F32),
-        grid=(n_pairs, m.tiles),
-        in_specs=[pl.BlockSpec((1,), lambda p, i: (p,)), pl.BlockSpec((1, k), lambda p, i: (p, 0)), *m.specs],
-        out_specs=pl.BlockSpec((1, m.bn), lambda p, i: (p, i)),
+        out_shape=jax.ShapeDtypeStruct((m.split_k, n_pairs, m.tiles * m.bn), F32),
+        grid=(m.split_k, n_pairs, m.tiles),
+        in_specs=[pl.BlockSpec((1,), lambda s, p, i: (p,)), pl.BlockSpec((1, k), lambda s, p, i: (p, 0)), *m.specs],
+        out_specs=pl.BlockSpec((1, 1, m.bn), lambda s, p, i: (s, p, i)),
         compiler_params=m.compiler_params,
         interpret=interpret,
         name="moe_gemv_many",

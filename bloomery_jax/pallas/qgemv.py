@@ -10,12 +10,16 @@ elements sharing one scale). A program owns ``block_n`` rows and walks K chunk b
 ``chunks_per_step`` chunks per loop step; each plane is dequantized into a ``[block_n, W]``
 float32 tile and multiply-added into one ``[block_n, W]`` accumulator per row of x, summed
 across W at the end. B (1-8 rows of x) is unrolled, so the weight is read once for all rows.
+With ``split_k`` S > 1, S programs share a row tile, each walking 1/S of K into its own partial
+output ``[S, B, N]``, summed after the launch: matrices with few rows (the 512-row k and v of a
+layer) otherwise leave most of the card's SMs idle.
 
 Exactness: every weight the kernel forms equals ``dequantize`` of the file bit for bit (the
 f16 scales widen exactly, ``d * sc`` and its product with the quant are exact in f32, and the
 min is subtracted with one rounding, as in ggml). Only the sum order differs from a plain
 matmul: each accumulator element adds K / W products in sequence, then the W columns are
-summed, so |y - exact| <= (K / W + W) * 2^-24 * sum_k |x_k| |w_nk| (tests use this bound).
+summed, then the S partials, so |y - exact| <= (K / W + W + S) * 2^-24 * sum_k |x_k| |w_nk|
+(``rounding_depth``; tests use this bound).
 
 It is compute-bound: each thread holds 4 columns of 8 sub-blocks, so every scale is rebuilt for
 4 elements (measured 2026-12-02 at ~20% of copy bandwidth; docs/LOG.md).
@@ -137,8 +141,9 @@ FORMATS = {
 }
 
 
-def _accumulate(x_ref, w_refs, *, fmt: _Format, bn: int, nrows: int, steps: int, per_step: int):
-    """The K loop of one program: B float32 ``[BN]`` rows of y (one per row of x) for its BN weight rows.
+def _accumulate(x_ref, w_refs, *, fmt: _Format, bn: int, nrows: int, steps: int, per_step: int, first=0):
+    """The K loop of one program: B float32 ``[BN]`` rows of y (one per row of x) for its BN
+    weight rows, over chunks ``first .. first + steps * per_step``.
 
     ``w_refs`` are the weight fields in kernel order, each a ref or any object whose
     ``[...]`` reads the ref the same way (``moe_gemv`` passes views that prefix an expert).
@@ -147,7 +152,7 @@ def _accumulate(x_ref, w_refs, *, fmt: _Format, bn: int, nrows: int, steps: int,
 
     def step(i, accs):
         for u in range(per_step):  # unrolled: the loads of all chunks of a step issue together
-            for col, w in fmt.planes(i * per_step + u, w_refs):
+            for col, w in fmt.planes(first + i * per_step + u, w_refs):
                 accs = _fma_rows(accs, w, x_ref, col, fmt.width)
         return accs
 
@@ -156,10 +161,17 @@ def _accumulate(x_ref, w_refs, *, fmt: _Format, bn: int, nrows: int, steps: int,
 
 
 def _kernel(x_ref, *refs, fmt: _Format, nrows: int, steps: int, per_step: int):
-    *w_refs, o_ref = refs  # o_ref: [B, BN]
-    ys = _accumulate(x_ref, w_refs, fmt=fmt, bn=o_ref.shape[1], nrows=nrows, steps=steps, per_step=per_step)
+    *w_refs, o_ref = refs  # o_ref: [1, B, BN], this program's partial sum
+    first = pl.program_id(0) * (steps * per_step)  # the first chunk of this program's share of K
+    ys = _accumulate(x_ref, w_refs, fmt=fmt, bn=o_ref.shape[2], nrows=nrows, steps=steps, per_step=per_step,
+                     first=first)
     for b in range(nrows):
-        o_ref[b, :] = ys[b]
+        o_ref[0, b, :] = ys[b]
+
+
+def add_partials(y: jax.Array) -> jax.Array:
+    """The split-K partial sums ``[S, ...]`` of a launch added up: ``[...]``."""
+    return y[0] if y.shape[0] == 1 else jnp.sum(y, axis=0)
 
 
 def _weight_fields(w: PackedWeight) -> list[tuple[jax.Array, bool]]:
@@ -176,8 +188,8 @@ def _weight_fields(w: PackedWeight) -> list[tuple[jax.Array, bool]]:
 def _weight_operands(w: PackedWeight, bn: int):
     """The packed arrays in kernel order with their BlockSpecs (a program owns rows i*bn..)."""
     n = w.shape[0]
-    row_tile = lambda a: pl.BlockSpec((bn, a.shape[1]), lambda i: (i, 0))  # [N, cols]
-    rows_last = lambda a: pl.BlockSpec((*a.shape[:-1], bn), lambda i: (0,) * (a.ndim - 1) + (i,))
+    row_tile = lambda a: pl.BlockSpec((bn, a.shape[1]), lambda s, i: (i, 0))  # [N, cols]
+    rows_last = lambda a: pl.BlockSpec((*a.shape[:-1], bn), lambda s, i: (0,) * (a.ndim - 1) + (i,))
     ops = [(a, rows_last if last else row_tile) for a, last in _weight_fields(w)]
     assert all(a.shape[-1 if spec is rows_last else 0] == n for a, spec in ops)
     return [a for a, _ in ops], [spec(a) for a, spec in ops]
@@ -196,36 +208,38 @@ def rounding_depth(layout: str, qtype, k: int, config: GemvConfig) -> int:
     if layout == "rows":
         return qgemv_rows.rounding_depth(qtype, k, config)
     width = FORMATS[T(qtype)].width
-    return k // width + width
+    return k // width + width + (config.split_k if config else 1)
 
 
-def _launch(fmt: _Format, n: int, k: int, cfg: GemvConfig) -> tuple[int, int, int]:
-    """(rows per program, K-loop steps, chunks per step) for an ``[N, K]`` weight: ``cfg``'s
-    block_n and chunks_per_step shrunk to the largest divisors of N and K / chunk."""
+def _launch(fmt: _Format, n: int, k: int, cfg: GemvConfig) -> tuple[int, int, int, int]:
+    """(rows per program, K-loop steps, chunks per step, split) for an ``[N, K]`` weight:
+    ``cfg``'s block_n, split_k and chunks_per_step shrunk to the largest divisors of N, K / chunk
+    and a split's chunks; each program walks ``steps * per_step`` chunks."""
     bn = _largest_divisor(n, cfg.block_n, pow2=True)
-    chunks = k // fmt.chunk
+    split = _largest_divisor(k // fmt.chunk, cfg.split_k, pow2=False)
+    chunks = k // fmt.chunk // split
     per_step = _largest_divisor(chunks, cfg.chunks_per_step, pow2=False)
-    return bn, chunks // per_step, per_step
+    return bn, chunks // per_step, per_step, split
 
 
 def _planes_call(x2, w: PackedWeight, cfg: GemvConfig, interpret: bool) -> jax.Array:
     qtype = T(w.qtype)
     n, k = w.shape
     fmt = FORMATS[qtype]
-    bn, steps, per_step = _launch(fmt, n, k, cfg)
+    bn, steps, per_step, split = _launch(fmt, n, k, cfg)
     arrays, specs = _weight_operands(w, bn)
     nrows = x2.shape[0]
     kernel = functools.partial(_kernel, fmt=fmt, nrows=nrows, steps=steps, per_step=per_step)
-    return pl.pallas_call(
+    return add_partials(pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((nrows, n), F32),
-        grid=(n // bn,),
-        in_specs=[pl.BlockSpec((nrows, k), lambda i: (0, 0)), *specs],
-        out_specs=pl.BlockSpec((nrows, bn), lambda i: (0, i)),
+        out_shape=jax.ShapeDtypeStruct((split, nrows, n), F32),
+        grid=(split, n // bn),
+        in_specs=[pl.BlockSpec((nrows, k), lambda s, i: (0, 0)), *specs],
+        out_specs=pl.BlockSpec((1, nrows, bn), lambda s, i: (s, 0, i)),
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
         name=f"qgemv_planes_{qtype.name.lower()}",
-    )(x2, *arrays)
+    )(x2, *arrays))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
@@ -269,25 +283,33 @@ class _Part:
     start: int  # first program (along the tile axis) of this weight
 
 
-def run_parts(i, x_ref, w_refs, o_ref, parts, *, bn: int, nrows: int, view=lambda r: r):
+def run_parts(i, x_ref, w_refs, store, parts, *, bn: int, nrows: int, view=lambda r: r):
     """Program i of a launch over several weights: the row tile of the weight whose tiles cover
-    i (one ``pl.when`` per weight, so only that weight's loads run). ``view`` wraps each weight
-    ref (``moe_gemv`` prefixes the pair's expert)."""
+    i (one ``pl.when`` per weight, so only that weight's loads run), over its split-K share
+    (``pl.program_id(0)``). ``view`` wraps each weight ref (``moe_gemv`` prefixes the pair's
+    expert); ``store(b, y)`` writes row b of the result."""
+    share = pl.program_id(0)  # read outside pl.when: the interpreter cannot read it in a branch
     at = 0
     for part in parts:
         refs = [view(r) for r in w_refs[at:at + part.n_fields]]
 
         @pl.when((i >= part.start) & (i < part.start + part.tiles))
         def _(refs=refs, part=part):
-            ys = _accumulate(x_ref, refs, fmt=part.fmt, bn=bn, nrows=nrows, steps=part.steps, per_step=part.per_step)
+            ys = _accumulate(x_ref, refs, fmt=part.fmt, bn=bn, nrows=nrows, steps=part.steps, per_step=part.per_step,
+                             first=share * (part.steps * part.per_step))
             for b in range(nrows):
-                o_ref[b, :] = ys[b]
+                store(b, ys[b])
 
         at += part.n_fields
 
 
 def _many_kernel(x_ref, *refs, parts, nrows: int, bn: int):
-    run_parts(pl.program_id(0), x_ref, refs[:-1], refs[-1], parts, bn=bn, nrows=nrows)
+    o_ref = refs[-1]  # [1, B, BN]
+
+    def store(b, y):
+        o_ref[0, b, :] = y
+
+    run_parts(pl.program_id(1), x_ref, refs[:-1], store, parts, bn=bn, nrows=nrows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,9 +322,11 @@ class Many:
     specs: list  # their BlockSpecs: the last grid axis walks the tiles of all weights in turn
     tiles: int  # programs along that axis
     compiler_params: object
+    split_k: int  # programs sharing a row tile (the first grid axis); every part's chunks divide by it
 
     def split(self, y: jax.Array) -> tuple:
-        """The launch's ``[..., tiles * bn]`` output cut into each weight's ``[..., N_j]``."""
+        """The launch's partial sums ``[S, ..., tiles * bn]`` added and cut into each weight's ``[..., N_j]``."""
+        y = add_partials(y)
         bounds = [p.start * self.bn for p in self.parts] + [self.tiles * self.bn]
         return tuple(y[..., a:b] for a, b in zip(bounds[:-1], bounds[1:]))
 
@@ -311,7 +335,8 @@ def many_operands(ws, k: int, lead: tuple, name: str) -> Many:
     """Check and lay out weights for one launch: each a planes-layout Q8_0/Q4_K/Q5_K/Q6_K
     PackedWeight of shape ``[*lead, N_j, K]`` (2-D dense weights: lead ``()``; stacked experts:
     ``(E,)``). The tile height is the largest power of two dividing every N, at most the
-    smallest of the weights' tuned ``block_n``; loop steps are each weight's own."""
+    smallest of the weights' tuned ``block_n``, the split the largest divisor of every weight's
+    chunk count at most their smallest ``split_k``; loop steps are each weight's own."""
     for w in ws:
         if (T(w.qtype) not in FORMATS or w.layout != "planes" or len(w.shape) != len(lead) + 2
                 or tuple(w.shape[:-2]) != lead or w.shape[-1] != k):
@@ -321,10 +346,13 @@ def many_operands(ws, k: int, lead: tuple, name: str) -> Many:
     bn = min(cfg.block_n for cfg in cfgs)
     while any(w.shape[-2] % bn for w in ws):
         bn //= 2
+    split = min(cfg.split_k for cfg in cfgs)
+    while any((k // FORMATS[T(w.qtype)].chunk) % split for w in ws):
+        split -= 1
     parts, arrays, specs, start = [], [], [], 0
     for w, cfg in zip(ws, cfgs):
         fmt = FORMATS[T(w.qtype)]
-        _, steps, per_step = _launch(fmt, w.shape[-2], k, dataclasses.replace(cfg, block_n=bn))
+        _, steps, per_step, _ = _launch(fmt, w.shape[-2], k, dataclasses.replace(cfg, block_n=bn, split_k=split))
         tiles = w.shape[-2] // bn
         fields = _weight_fields(w)
         for a, rows_last in fields:
@@ -339,7 +367,7 @@ def many_operands(ws, k: int, lead: tuple, name: str) -> Many:
         parts.append(_Part(fmt, len(fields), tiles, steps, per_step, start))
         start += tiles
     params = plgpu.CompilerParams(num_warps=max(c.num_warps for c in cfgs), num_stages=max(c.num_stages for c in cfgs))
-    return Many(bn, tuple(parts), arrays, specs, start, params)
+    return Many(bn, tuple(parts), arrays, specs, start, params, split)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
@@ -366,10 +394,10 @@ def qgemv_many(x: jax.Array, ws: tuple, *, interpret: bool = False) -> tuple:
     m = many_operands(ws, k, (), "qgemv_many")
     y = pl.pallas_call(
         functools.partial(_many_kernel, parts=m.parts, nrows=nrows, bn=m.bn),
-        out_shape=jax.ShapeDtypeStruct((nrows, m.tiles * m.bn), F32),
-        grid=(m.tiles,),
-        in_specs=[pl.BlockSpec((nrows, k), lambda i: (0, 0)), *m.specs],
-        out_specs=pl.BlockSpec((nrows, m.bn), lambda i: (0, i)),
+        out_shape=jax.ShapeDtypeStruct((m.split_k, nrows, m.tiles * m.bn), F32),
+        grid=(m.split_k, m.tiles),
+        in_specs=[pl.BlockSpec((nrows, k), lambda s, i: (0, 0)), *m.specs],
+        out_specs=pl.BlockSpec((1, nrows, m.bn), lambda s, i: (s, 0, i)),
         compiler_params=m.compiler_params,
         interpret=interpret,
         name="qgemv_many",

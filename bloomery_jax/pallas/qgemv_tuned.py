@@ -1,7 +1,7 @@
 """Launch parameters of the GEMV kernels as data.
 
 ``TUNED[(layout, type, N, K)]`` and ``DEFAULTS[(layout, type)]`` hold (block_n,
-chunks_per_step, num_warps, num_stages), filled from ``scripts/kernel_bench.py`` runs on the
+chunks_per_step, num_warps, num_stages[, split_k]), filled from ``scripts/kernel_bench.py`` runs on the
 H200 (benchmarks/, docs/LOG.md). They change speed only, never results.
 """
 
@@ -12,12 +12,15 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True)
 class GemvConfig:
-    """Launch parameters: rows per program, K-chunks per loop step, Triton warps and stages."""
+    """Launch parameters: rows per program, K-chunks per loop step, Triton warps and stages,
+    and the number of programs that share one row tile's K range (``split_k``; planes layout:
+    each writes a partial sum, added after the launch; more programs for matrices with few rows)."""
 
     block_n: int = 32
     chunks_per_step: int = 2
     num_warps: int = 4
     num_stages: int = 3
+    split_k: int = 1
 
 
 # "planes": best of the 2026-12-02 sweep at 8192x8192 (benchmarks/kernel_bench_2026-12-02.json);
