@@ -70,13 +70,14 @@ def _moe_kernel(e_ref, x_ref, *refs, fmt, n_experts: int, steps: int, per_step: 
 
 
 def _operands(w: PackedWeight, bn: int):
-    """The stacked arrays in kernel order with BlockSpecs: all experts, rows i*bn.. of each."""
+    """The stacked arrays in kernel order with BlockSpecs: all experts, rows i*bn.. of each, i
+    the last grid index (``moe_gemm`` reads them too)."""
     arrays, specs = [], []
     for a, rows_last in _weight_fields(w):
         if rows_last:  # [E, chunks, fields, N]: the tile is a slice of the last axis
-            spec = pl.BlockSpec((*a.shape[:-1], bn), lambda s, p, i, nd=a.ndim: (0,) * (nd - 1) + (i,))
+            spec = pl.BlockSpec((*a.shape[:-1], bn), lambda *g, nd=a.ndim: (0,) * (nd - 1) + (g[-1],))
         else:  # [E, N, cols]
-            spec = pl.BlockSpec((a.shape[0], bn, a.shape[2]), lambda s, p, i: (0, i, 0))
+            spec = pl.BlockSpec((a.shape[0], bn, a.shape[2]), lambda *g: (0, g[-1], 0))
         arrays.append(a)
         specs.append(spec)
     return arrays, specs

@@ -42,6 +42,14 @@ TUNED: dict[tuple[str, str, int, int], tuple[int, int, int, int]] = {
     # measured 2026-12-02 on the H200 (21-24 variants each): 46.0 us (821 GB/s), 61.5 us (895 GB/s)
     ("planes", "Q4_K", 8192, 8192): (32, 4, 8, 3),
     ("planes", "Q6_K", 8192, 8192): (16, 2, 8, 3),
+    # Qwen3-30B-A3B attention, measured 2026-12-03 (benchmarks/gpu_2026-12-03-s4, plan planes30b,
+    # 10 variants each): split_k is what pays on these few-row matrices (attn_o Q4_K 23.4 -> 8.6 us)
+    ("planes", "Q4_K", 4096, 2048): (32, 2, 8, 3, 2),  # q: 7.7 us
+    ("planes", "Q6_K", 4096, 2048): (16, 1, 4, 3, 8),  # 8.3 us
+    ("planes", "Q4_K", 2048, 4096): (16, 1, 4, 3, 8),  # o: 8.6 us
+    ("planes", "Q6_K", 2048, 4096): (16, 2, 4, 3, 4),  # 9.8 us
+    ("planes", "Q4_K", 512, 2048): (8, 1, 2, 3, 4),  # k, v: 6.0 us
+    ("planes", "Q6_K", 512, 2048): (16, 1, 4, 3, 8),  # 6.6 us
 }
 
 
