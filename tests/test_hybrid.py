@@ -224,3 +224,24 @@ def test_slot_table():
 def test_bad_rule_is_a_config_error(tiny_model):
     with pytest.raises(ConfigError):
         load_model(tiny_model, place="n-cpu-moe=x")
+
+
+def test_host_call_only_when_a_pair_is_on_the_host(synth_model):
+    """One token whose chosen experts are all on the card makes no host call (the step skips the
+    round trip), with the all-card logits; moving one chosen expert of one layer to the host
+    makes exactly that layer's call."""
+    path, _ = synth_model(qtype="Q8_0", seed=11, **SHAPE)
+    tok, pos = prompt()[None, :1], np.arange(1)[None]
+    card = load_model(path)
+    ref, _, routing = qwen3moe.forward(card.params, card.cfg, tok, pos, card.init_cache(1, 1))
+    chosen = np.asarray(routing.experts)[:, 0, 0]  # [L, k]
+    mask = np.zeros((SHAPE["n_layers"], SHAPE["n_experts"]), bool)
+    for layer, ex in enumerate(chosen):
+        mask[layer, ex] = True  # only the chosen experts on the card
+    calls = []
+    for m in (mask, np.where(np.arange(SHAPE["n_layers"])[:, None] == 1, mask & (np.arange(SHAPE["n_experts"]) != chosen[1, 0]), mask)):
+        model = load_model(path, place=Fixed(tuple(map(tuple, m.tolist()))), host_act="f32")
+        got, _, _ = qwen3moe.forward(model.params, model.cfg, tok, pos, model.init_cache(1, 1), model.placement)
+        assert np.abs(np.asarray(got) - np.asarray(ref)).max() <= TOL * np.asarray(ref).std()
+        calls.append(model.placement.host.stats.calls)
+    assert calls == [0, 1]
