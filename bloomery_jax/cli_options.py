@@ -13,7 +13,8 @@ WEIGHTS_HELP = ("card weights as the file's blocks (dequantized in every step), 
 
 KERNELS_HELP = ("card matmuls: reference (jnp dequantize + matmul), pallas (GPU kernels on repacked weights; "
                 "prefill experts in three TF32 passes, close to f32), pallas-tf32 (one TF32 pass there: "
-                "faster, ~5e-4 relative error a layer) or auto: pallas on a GPU (default auto)")
+                "faster, ~5e-4 relative error a layer), pallas-q8 (activations rounded to Q8_1 as llama.cpp's "
+                "CUDA backend does; integer dot products at decode) or auto: pallas on a GPU (default auto)")
 
 
 def add_residency_args(parser, record_routing: bool = True) -> None:

@@ -16,7 +16,7 @@ import gin
 from .errors import ConfigError
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
-KERNELS = ("reference", "pallas", "pallas-tf32", "auto")  # auto: pallas on a GPU (models.loader.resolve_kernels)
+KERNELS = ("reference", "pallas", "pallas-tf32", "pallas-q8", "auto")  # auto: pallas on a GPU (models.loader.resolve_kernels)
 KV_DTYPES = ("float32", "bfloat16", "float16")
 WEIGHT_FORMS = ("blocks", "f32", "auto")  # card weights (models.loader.load_model)
 

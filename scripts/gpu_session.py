@@ -215,7 +215,7 @@ def stage_bench(args) -> None:
     # --only; the persistent compilation cache keeps what a warm machine compiled before.
     for name, (extra, parallel) in bench_variants(args).items():
         if not args.only or name in args.only:
-            bench(args, name, extra, parallel)
+            bench(args, name, extra, args.parallel or parallel)
 
 
 def stage_host(args) -> None:
@@ -255,7 +255,8 @@ def stage_compare(args) -> None:
     for name, run in json.loads((args.out / "llamacpp.json").read_text()).items():
         for r in run["records"] if isinstance(run["records"], list) else []:
             theirs[(name, f"pp{r['n_prompt']}" if r["n_prompt"] else f"tg{r['n_gen']}")] = r["avg_ts"]
-    pairs = {"bench-card-pallas": "all-card", "bench-ncmoe36-pallas": "ncmoe36"}
+    pairs = {f"bench-{ours}-{k}": theirs for ours, theirs in (("card", "all-card"), ("ncmoe36", "ncmoe36"))
+             for k in ("pallas", "pallas-tf32", "pallas-q8")}
     rows = [dict(ours=stem, llamacpp=pairs[stem], test=test, parallel=par, ours_tps=round(tps, 1),
                  llamacpp_tps=round(theirs[(pairs[stem], test)], 1), ratio=round(tps / theirs[(pairs[stem], test)], 3))
             for (stem, test, par), tps in ours.items() if stem in pairs and (pairs[stem], test) in theirs]
@@ -277,7 +278,8 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--variant-timeout", type=float, default=None, help="seconds one bench variant may run")
     p.add_argument("--layers", type=int, default=None, help="the big model with this many layers (default 48)")
-    p.add_argument("--kernels", default="auto", help="bench --kernels (reference | pallas | auto)")
+    p.add_argument("--kernels", default="auto", help="bench --kernels (reference | pallas | pallas-tf32 | pallas-q8 | auto)")
+    p.add_argument("--parallel", default=None, help="bench --parallel for every variant (default: its own)")
     p.add_argument("--tiny", action="store_true", help="small models: check the flow on a CPU")
     p.add_argument("--only", type=lambda v: v.split(","), default=None,
                    help="bench variants to run, comma-separated: card, ncmoe36, quarter-static, quarter-lfu, "

@@ -37,7 +37,9 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from bloomery_jax.pallas.qgemv import GemvConfig, qgemv, rounding_depth  # noqa: E402
+from bloomery_jax.ops.actquant import quantize_q8_1  # noqa: E402
+from bloomery_jax.pallas import qgemv_q8 as q8  # noqa: E402
+from bloomery_jax.pallas.qgemv import GemvConfig, pick_config, qgemv, rounding_depth  # noqa: E402
 from bloomery_jax.quant import dequantize  # noqa: E402
 from bloomery_jax.quant.repack import dequantize_packed, repack, scale_magnitudes  # noqa: E402
 from bloomery_jax.synth.blocks import random_blocks  # noqa: E402
@@ -84,10 +86,20 @@ def planes_decode():
             C(32, 2, 8, 3, 4), C(8, 2, 2, 3), C(8, 2, 2, 3, 2), C(8, 1, 2, 3, 4), C(16, 1, 4, 3, 8)]
 
 
-# (shape names, formats, rows sweep, batch sizes for the winner, planes kernel too: True for
-# its best 8192x8192 config, or a list of configs to sweep)
+def q8_decode():
+    """The integer dot-product kernel (``qgemv_q8``; x rounded to Q8_1 inside the timed call):
+    rows per program, warps and split_k."""
+    return [C(32, 1, 4, 3), C(32, 1, 4, 3, 2), C(64, 1, 4, 3, 2), C(64, 1, 8, 3, 2), C(16, 1, 2, 3, 2),
+            C(16, 1, 4, 3, 4), C(64, 1, 4, 3, 4), C(128, 1, 8, 3, 2), C(32, 1, 2, 3, 8)]
+
+
+# (shape names, formats, rows sweep, batch sizes for the winner, other kernels: True for the
+# planes kernel's best 8192x8192 config, a list of planes configs to sweep, or a dict
+# {"planes": [...], "q8": [...]})
 PLANS = {
     "square": [(["square_8192"], [T.Q4_K, T.Q6_K], rows_big, [1], False)],
+    "q8": [(["attn_q", "attn_kv", "attn_o", "expert_down", "square_8192"], [T.Q4_K, T.Q6_K], list, [1],
+            {"planes": [None], "q8": q8_decode()})],
     "planes30b": [(["attn_q", "attn_kv", "attn_o", "expert_down"], [T.Q4_K, T.Q6_K], list, [1], planes_decode())],
     "tiny": [(["tiny"], [T.Q4_K, T.Q6_K], lambda: [C(16, 1, 4, 3), C(32, 2, 4, 3)], [1, 2], True)],
     "full": [
@@ -213,15 +225,20 @@ class Bench:
         rng = np.random.default_rng(n * 31 + k + int(qtype))
         raw = random_blocks(qtype, (n, k), WEIGHT_STD, rng)
         wbytes = raw.nbytes
+        others = with_planes if isinstance(with_planes, dict) else {
+            "planes": with_planes if isinstance(with_planes, list) else [PLANES_BEST[qtype]]} if with_planes else {}
         packed = {"rows": repack(raw, qtype, (n, k), "rows")}
-        if with_planes:
-            packed["planes"] = repack(raw, qtype, (n, k), "planes")
+        for impl in others:
+            packed[impl] = repack(raw, qtype, (n, k), "ggml" if impl == "q8" else impl)
         # float64 truth; the magnitudes sum_k |x| (|s q| + |m|) every error bound scales with
         wf = np.asarray(dequantize_packed(packed["rows"]), np.float64)
         mag = np.asarray(scale_magnitudes(packed["rows"]), np.float64)
         r = 1 if a.interpret else max(1, min(a.max_copies, -(-a.rotate_mb * 2 ** 20 // wbytes)))
         xs = {b: rng.standard_normal((b, k)).astype(np.float32) for b in sorted(set(batches) | {1})}
         truth = {b: (xb.astype(np.float64) @ wf.T, np.abs(xb.astype(np.float64)) @ mag.T) for b, xb in xs.items()}
+        if "q8" in others:  # that kernel's truth: the product of the Q8_1-rounded activations
+            xv = {b: np.asarray(quantize_q8_1(jnp.asarray(xb)).values(), np.float64) for b, xb in xs.items()}
+            truth_q8 = {b: (v @ wf.T, np.abs(v) @ mag.T) for b, v in xv.items()}
         del wf, mag
         stacks = {lay: copies(pw, r) for lay, pw in packed.items()}
         stacks["xla"] = copies(jnp.asarray(raw), r)
@@ -231,6 +248,8 @@ class Bench:
         def one(impl, cfg):
             if impl == "xla":
                 return lambda x, w: jnp.einsum("bk,nk->bn", x, dequantize(w, qtype, (n, k)), precision=HIGHEST)
+            if impl == "q8":
+                return lambda x, w: q8.qgemv_q8(quantize_q8_1(x), w, config=cfg, interpret=a.interpret)
             return lambda x, w: qgemv(x, w, config=cfg, interpret=a.interpret)
 
         def measure(impl, b, cfg):
@@ -246,8 +265,9 @@ class Bench:
                 self.record(**common, **tag, error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
                 return None
             compile_s = time.perf_counter() - t0
-            depth = k if impl == "xla" else rounding_depth(impl, qtype, k, cfg)
-            want, m = truth[b]
+            depth = k if impl == "xla" else q8.rounding_depth(qtype, k, cfg) if impl == "q8" else rounding_depth(
+                impl, qtype, k, cfg or pick_config(impl, qtype.name, n, k))
+            want, m = (truth_q8 if impl == "q8" else truth)[b]
             ratio = float((np.abs(np.asarray(out[0], np.float64) - want) / (depth * U * m * 1.01 + 1e-30)).max())
             t, samples = time_calls(fn, (x, ws), a.min_total_s)
             gbps = wbytes / (t / r) / 1e9
@@ -271,9 +291,10 @@ class Bench:
         if (with_planes or best is None) and not self.over_budget():
             if "planes" not in stacks:  # the rows kernel failed to build: keep a kernel in the table
                 stacks["planes"] = copies(repack(raw, qtype, (n, k), "planes"), r)
-            for cfg in with_planes if isinstance(with_planes, list) else [PLANES_BEST[qtype]]:
-                if not self.over_budget():
-                    measure("planes", 1, cfg)
+            for impl, cfgs in (others or {"planes": [PLANES_BEST[qtype]]}).items():
+                for cfg in cfgs:
+                    if not self.over_budget():
+                        measure(impl, 1, cfg)
         for b in batches:
             if self.over_budget():
                 break

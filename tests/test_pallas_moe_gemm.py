@@ -45,11 +45,13 @@ def test_plan_groups_pairs_by_expert_in_whole_tiles(n_pairs, n_experts, block_m)
     assert len(used) == sum(-(-s // block_m) for s in sizes)  # no tile wasted beyond each group's padding
 
 
-@pytest.mark.parametrize("qtype", PACKABLE, ids=lambda t: t.name)
-def test_matches_reference(qtype):
-    # E=6 (not a power of two), 40 pairs in scrambled order: groups of several tiles, one expert unused
+@pytest.mark.parametrize("qtype,layout", [(q, "planes") for q in PACKABLE] + [(T.Q8_0, "ggml")],
+                         ids=lambda v: getattr(v, "name", v))
+def test_matches_reference(qtype, layout):
+    # E=6 (not a power of two), 40 pairs in scrambled order: groups of several tiles, one expert
+    # unused; ggml: one type, the cheapest to interpret (each body is checked in qgemv's tests)
     rng = np.random.default_rng(int(qtype))
-    raw, pw, w64 = stacked(qtype, 6, 32, 512, rng)
+    raw, pw, w64 = stacked(qtype, 6, 32, 512, rng, layout)
     experts = jnp.asarray(rng.choice([0, 1, 2, 4, 5], 40, p=[0.5, 0.2, 0.1, 0.1, 0.1]), jnp.int32)
     x = jnp.asarray(rng.standard_normal((40, 512)), jnp.float32)
     y = grouped(x, pw, experts, CFG)
@@ -92,8 +94,12 @@ def test_bad_inputs_raise():
         moe_gemm(jnp.zeros((16, 256)), pw, jnp.zeros(1, jnp.int32), config=GemmConfig(precision="fp8"),
                  interpret=True)
     rows = repack(np.zeros((4, 16, 144), np.uint8), T.Q4_K, (4, 16, 256), "rows")
-    with pytest.raises(ValueError, match="needs a 3-D planes-layout"):
+    with pytest.raises(ValueError, match="needs a 3-D planes-layout or ggml-layout"):
         moe_gemm(jnp.zeros((16, 256)), rows, jnp.zeros(1, jnp.int32), config=CFG, interpret=True)
+    ggml = repack(np.zeros((4, 16, 144), np.uint8), T.Q4_K, (4, 16, 256), "ggml")
+    with pytest.raises(ValueError, match="wide=True builds whole planes-layout chunks"):
+        moe_gemm(jnp.zeros((16, 256)), ggml, jnp.zeros(1, jnp.int32), config=GemmConfig(block_m=16, wide=True),
+                 interpret=True)
 
 
 @pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
@@ -111,3 +117,15 @@ def test_lowers_to_triton_for_h200(qtype, precision, wide, monkeypatch):
     cfg = GemmConfig(precision=precision, wide=wide)
     built = triton_kernels(monkeypatch, lambda x, w, t: moe_gemm(x, w, t, config=cfg), x, pw, tiles)
     assert built == [(f"moe_gemm_{qtype.name.lower()}", 90, True)]
+
+
+@pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
+def test_ggml_lowers_to_triton_for_h200(monkeypatch):
+    """A verified Triton module for sm_90 on ggml-layout experts (Q5_K: every field kind)."""
+    e, n, k = 6, 128, 512
+    raw = np.stack([weight(T.Q5_K, n, k, np.random.default_rng(0)) for _ in range(e)])
+    pw = repack(raw, T.Q5_K, (e, n, k), "ggml")
+    x = jax.ShapeDtypeStruct((64, k), jnp.float32)
+    tiles = jax.ShapeDtypeStruct((2,), jnp.int32)
+    built = triton_kernels(monkeypatch, lambda x, w, t: moe_gemm(x, w, t, config=GemmConfig()), x, pw, tiles)
+    assert built == [("moe_gemm_ggml_q5_k", 90, True)]

@@ -3,7 +3,8 @@
 Tolerance, as for the planes kernel of ``qgemv`` (tests/test_pallas_qgemv.py): every weight the
 kernel forms equals ``dequantize`` of the file bit for bit, so only the sum order differs and
     |y[p] - y_f64[p]| <= depth * 2^-24 * sum_k |x[p, k]| |w[experts[p], n, k]|,
-with ``depth = qgemv.rounding_depth("planes", ...)`` and a 1% margin for second-order terms.
+with ``depth = qgemv.rounding_depth(layout, ...)`` (the same for "planes" and "ggml") and a 1%
+margin for second-order terms.
 """
 
 from __future__ import annotations
@@ -24,11 +25,11 @@ from triton_lowering import triton_kernels
 CFG = GemvConfig(16, 1, 4, 3)  # 2 row tiles of 16 at N=32, one chunk per loop step
 
 
-def stacked(qtype, e, n, k, rng):
-    """Random GGUF bytes [E, N, row_bytes] (finite f16 scales), their planes repack, f64 values."""
+def stacked(qtype, e, n, k, rng, layout="planes"):
+    """Random GGUF bytes [E, N, row_bytes] (finite f16 scales), their repack, f64 values."""
     raw = np.stack([weight(qtype, n, k, rng) for _ in range(e)])
     w64 = np.asarray(dequantize(raw, qtype, (e, n, k)), np.float64)
-    return raw, repack(raw, qtype, (e, n, k)), w64
+    return raw, repack(raw, qtype, (e, n, k), layout), w64
 
 
 def errors(y, x, w64, experts, qtype, cfg):
@@ -41,11 +42,13 @@ def errors(y, x, w64, experts, qtype, cfg):
     return np.abs(np.asarray(y, np.float64) - exact) / bound
 
 
-@pytest.mark.parametrize("qtype", PACKABLE, ids=lambda t: t.name)
-def test_matches_reference(qtype):
-    # E=6 experts (not a power of two), 16 pairs: every expert repeats, pairs in scrambled order
+@pytest.mark.parametrize("qtype,layout", [(q, "planes") for q in PACKABLE] + [(T.Q5_K, "ggml")],
+                         ids=lambda v: getattr(v, "name", v))
+def test_matches_reference(qtype, layout):
+    # E=6 experts (not a power of two), 16 pairs: every expert repeats, pairs in scrambled order;
+    # ggml: Q5_K, whose four fields all go through the expert view (each body: qgemv's tests)
     rng = np.random.default_rng(int(qtype))
-    raw, pw, w64 = stacked(qtype, 6, 32, 512, rng)
+    raw, pw, w64 = stacked(qtype, 6, 32, 512, rng, layout)
     experts = jnp.asarray(rng.integers(0, 6, 16), jnp.int32)
     x = jnp.asarray(rng.standard_normal((16, 512)), jnp.float32)
     y = moe_gemv(x, pw, experts, config=CFG, interpret=True)
@@ -111,7 +114,7 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="needs a 3-D planes-layout"):
         moe_gemv(jnp.zeros((2, 256)), flat, jnp.zeros(2, jnp.int32), interpret=True)
     rows = repack(np.zeros((4, 16, 144), np.uint8), T.Q4_K, (4, 16, 256), "rows")
-    with pytest.raises(ValueError, match="needs a 3-D planes-layout"):
+    with pytest.raises(ValueError, match="needs a 3-D planes-layout or ggml-layout"):
         moe_gemv(jnp.zeros((2, 256)), rows, jnp.zeros(2, jnp.int32), interpret=True)
 
 
@@ -153,6 +156,22 @@ def test_many_lowers_to_triton_for_h200(monkeypatch):
     x = jax.ShapeDtypeStruct((8, 2048), jnp.float32)
     experts = jax.ShapeDtypeStruct((8,), jnp.int32)
     assert triton_kernels(monkeypatch, lambda x, ws, e: moe_gemv_many(x, ws, e), x, ws, experts) == [
+        ("moe_gemv_many", 90, True)]
+
+
+@pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
+def test_ggml_lowers_to_triton_for_h200(monkeypatch):
+    """moe_gemv (Q6_K) and moe_gemv_many (gate Q4_K, up Q5_K) on ggml-layout experts."""
+    from bloomery_jax.pallas.moe_gemv import moe_gemv_many
+
+    e, n, k = 6, 64, 512
+    rng = np.random.default_rng(0)
+    ws = [repack(np.stack([weight(q, n, k, rng) for _ in range(e)]), q, (e, n, k), "ggml")
+          for q in (T.Q4_K, T.Q5_K, T.Q6_K)]
+    x = jax.ShapeDtypeStruct((8, k), jnp.bfloat16)
+    experts = jax.ShapeDtypeStruct((8,), jnp.int32)
+    assert triton_kernels(monkeypatch, moe_gemv, x, ws[2], experts) == [("moe_gemv_ggml_q6_k", 90, True)]
+    assert triton_kernels(monkeypatch, lambda x, ws, e: moe_gemv_many(x, ws, e), x, tuple(ws[:2]), experts) == [
         ("moe_gemv_many", 90, True)]
 
 

@@ -1,4 +1,4 @@
-"""pallas.qgemv (both layouts, Pallas interpret mode on the CPU) against float64 and float32 references.
+"""pallas.qgemv (every layout, Pallas interpret mode on the CPU) against float64 and float32 references.
 
 Tolerance, derived per kernel (``qgemv.rounding_depth``): every weight the kernels form is the
 file's value or, in the rows kernel, its sub-block factors; each product then passes through at
@@ -7,6 +7,9 @@ most ``depth`` f32 roundings (the sequential K-accumulation and the final sums),
 Against the float32 reference ``x @ dequantize(W).T`` (Precision.HIGHEST), whose own sequential
 sum adds at most K roundings, the allowance is (depth + K) * 2^-24 * the same magnitude.
 A 1% margin covers second-order terms. Scales are finite here (inf scales make NaN rows).
+The "ggml" layout runs the planes kernel with other per-format bodies (same tiles, same bound).
+Outputs of the two layouts are not compared bit for bit: under jit, XLA's CPU backend contracts
+some ``a * b + c`` into FMAs, and where it does depends on how each body's ops fuse.
 """
 
 from __future__ import annotations
@@ -53,10 +56,11 @@ def check(qtype, layout, n, k, b, cfg, rng, x_dtype=jnp.float32):
     return y, xf, w64, mag, depth
 
 
-@pytest.mark.parametrize("layout", ["planes", "rows"])
-@pytest.mark.parametrize("qtype", PACKABLE, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype,layout", [(q, lay) for lay in ("planes", "rows") for q in PACKABLE]
+                         + [(T.Q4_K, "ggml"), (T.Q6_K, "ggml")], ids=lambda v: getattr(v, "name", v))
 def test_matches_reference(qtype, layout):
-    # 2 programs of 16 rows, 2 loop steps of 1 chunk (Q8_0: 4 steps), 2 rows of x
+    # 2 programs of 16 rows, 2 loop steps of 1 chunk (Q8_0: 4 steps), 2 rows of x; the other ggml
+    # bodies: Q8_0 in test_split_k_ggml, Q5_K in test_many_ggml_and_mixed_layouts
     check(qtype, layout, 32, 512, 2, GemvConfig(16, 1, 4, 3), np.random.default_rng(int(qtype)))
 
 
@@ -126,6 +130,27 @@ def test_many_in_one_launch():
         qgemv_many(x, (ws[0], repack(weight(T.Q4_K, 32, 256, rng), T.Q4_K, (32, 256))), interpret=True)
 
 
+def test_many_ggml_and_mixed_layouts(monkeypatch):
+    # a ggml weight (Q5_K: its qh words are a third row-tiled field) and a planes one in one
+    # launch: each output within its own bound (one chunk a loop step: a smaller program to trace;
+    # the shapes of test_matches_reference, whose references are still cached here)
+    from bloomery_jax.pallas import qgemv_tuned
+    from bloomery_jax.pallas.qgemv import qgemv_many
+
+    for q in ("Q5_K", "Q6_K"):
+        monkeypatch.setitem(qgemv_tuned.DEFAULTS, ("planes", q), (16, 1, 4, 3))
+    rng = np.random.default_rng(29)
+    ws = (repack(weight(T.Q5_K, 32, 512, rng), T.Q5_K, (32, 512), "ggml"),
+          repack(weight(T.Q6_K, 32, 512, rng), T.Q6_K, (32, 512), "planes"))
+    x = jnp.asarray(rng.standard_normal((2, 512)), jnp.float32)
+    ys = [np.asarray(y) for y in qgemv_many(x, ws, interpret=True)]
+    xf = np.asarray(x, np.float64)
+    for y, w in zip(ys, ws):
+        exact = xf @ np.asarray(dequantize_packed(w), np.float64).T
+        mag = np.abs(xf) @ np.asarray(scale_magnitudes(w), np.float64).T
+        assert (np.abs(y - exact) <= 1.01 * rounding_depth(w.layout, w.qtype, 512, None) * U * mag).all()
+
+
 @pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
 def test_many_lowers_to_triton_for_h200(monkeypatch):
     """q (Q4_K), k (Q4_K) and v (Q6_K) of the 30B shape in one verified Triton module for sm_90."""
@@ -149,6 +174,11 @@ def test_split_k(qtype, cfg):
     check(qtype, "planes", 32, 512, 2, cfg, np.random.default_rng(11))
 
 
+def test_split_k_ggml():
+    # the ggml bodies under a split: Q8_0's 4 chunks, a split of 3 shrinking to 2 programs of 2
+    check(T.Q8_0, "ggml", 32, 512, 2, GemvConfig(16, 1, 4, 3, 3), np.random.default_rng(11))
+
+
 @pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
 def test_split_k_lowers_to_triton_for_h200(monkeypatch):
     from triton_lowering import triton_kernels
@@ -157,6 +187,19 @@ def test_split_k_lowers_to_triton_for_h200(monkeypatch):
     x = jax.ShapeDtypeStruct((1, 2048), jnp.float32)
     assert triton_kernels(monkeypatch, lambda x, w: qgemv(x, w, config=GemvConfig(16, 2, 4, 3, 4)), x, pw) == [
         ("qgemv_planes_q4_k", 90, True)]
+
+
+@pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
+def test_ggml_lowers_to_triton_for_h200(monkeypatch):
+    """qgemv and qgemv_many on ggml-layout weights (every body) at the 30B attention shape."""
+    from bloomery_jax.pallas.qgemv import qgemv_many
+    from triton_lowering import triton_kernels
+
+    rng = np.random.default_rng(0)
+    ws = tuple(repack(weight(q, 512, 2048, rng), q, (512, 2048), "ggml") for q in PACKABLE)
+    x = jax.ShapeDtypeStruct((1, 2048), jnp.float32)
+    assert triton_kernels(monkeypatch, lambda x, w: qgemv(x, w), x, ws[0]) == [("qgemv_ggml_q8_0", 90, True)]
+    assert triton_kernels(monkeypatch, lambda x, ws: qgemv_many(x, ws), x, ws) == [("qgemv_many", 90, True)]
 
 
 def test_many_split_k(monkeypatch):

@@ -102,8 +102,39 @@ def test_bad_layout_raises():
         repack(np.zeros((1, 144), np.uint8), T.Q4_K, (1, 256), "cols")
 
 
+# ggml's byte ranges of each field in a block: (start, stop) of qs and qh
+GGML_BYTES = {T.Q8_0: ((2, 34), None), T.Q4_K: ((16, 144), None), T.Q5_K: ((48, 176), (16, 48)),
+              T.Q6_K: ((0, 128), (128, 192))}
+
+
 @pytest.mark.parametrize("qtype", PACKABLE, ids=lambda t: t.name)
-def test_device_repack_equals_numpy(qtype):
+def test_ggml_words_are_the_file_bytes(qtype):
+    # the dp4a kernels rely on it: byte k of word i is quant byte 4i + k of the row, in the
+    # file's order; the scale fields are the planes layout's arrays
+    shape = (2, 3, 512)
+    raw = random_raw(qtype, shape, np.random.default_rng(int(qtype) + 50))
+    elems, nbytes = GGML_QUANT_SIZES[qtype]
+    blocks = raw.reshape(2, 3, 512 // elems, nbytes)
+    pw, planes = repack(raw, qtype, shape, "ggml"), repack(raw, qtype, shape, "planes")
+    for field, span in zip(("qs", "qh"), GGML_BYTES[qtype]):
+        if span is None:
+            assert getattr(pw, field) is None, field
+            continue
+        words = np.asarray(getattr(pw, field))
+        assert words.dtype == np.int32 and words.shape == (2, 3, 512 // elems * (span[1] - span[0]) // 4), field
+        np.testing.assert_array_equal(words.view(np.uint8).reshape(blocks.shape[:-1] + (-1,)),
+                                      blocks[..., span[0]:span[1]], err_msg=field)
+    for field in ("sc", "d"):
+        a, b = getattr(planes, field), getattr(pw, field)
+        assert (a is None) == (b is None), field
+        if a is not None:
+            assert a.dtype == b.dtype and a.shape == b.shape, field
+            np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8), err_msg=field)
+
+
+@pytest.mark.parametrize("layout", ["planes", "ggml"])
+@pytest.mark.parametrize("qtype", PACKABLE, ids=lambda t: t.name)
+def test_device_repack_equals_numpy(qtype, layout):
     # the load-time path for large models repacks on the device; it must give the same words
     import jax.numpy as jnp
 
@@ -112,8 +143,8 @@ def test_device_repack_equals_numpy(qtype):
     rng = np.random.default_rng(int(qtype) + 100)
     for shape, extremes in [((8, 512), True), ((3, 16, 256), False)]:
         raw = random_raw(qtype, shape, rng, extremes)
-        want, got = repack(raw, qtype, shape), repack_on_device(jnp.asarray(raw), qtype, shape)
-        assert got.shape == want.shape and got.qtype == want.qtype
+        want, got = repack(raw, qtype, shape, layout), repack_on_device(jnp.asarray(raw), qtype, shape, layout)
+        assert got.shape == want.shape and got.qtype == want.qtype and got.layout == want.layout == layout
         for field in ("qs", "d", "sc", "qh"):
             a, b = getattr(want, field), getattr(got, field)
             assert (a is None) == (b is None), field
@@ -123,19 +154,29 @@ def test_device_repack_equals_numpy(qtype):
                 assert (a.view(np.uint8) == b.view(np.uint8)).all(), field
 
 
+@pytest.mark.parametrize("layout", ["planes", "ggml"])
 @pytest.mark.parametrize("qtype", PACKABLE, ids=lambda t: t.name)
-def test_device_repack_of_no_experts(qtype):
+def test_device_repack_of_no_experts(qtype, layout):
     # a layer whose experts all run on the host keeps a [0, N, K] card tensor: its repack is empty
     import jax.numpy as jnp
 
     from bloomery_jax.quant.repack import repack_on_device
 
     raw = random_raw(qtype, (1, 16, 256), np.random.default_rng(0))
-    one = repack(raw, qtype, (1, 16, 256))
-    none = repack_on_device(jnp.zeros((0, *raw.shape[1:]), jnp.uint8), qtype, (0, 16, 256))
-    assert none.shape == (0, 16, 256) and none.nbytes == 0
+    one = repack(raw, qtype, (1, 16, 256), layout)
+    none = repack_on_device(jnp.zeros((0, *raw.shape[1:]), jnp.uint8), qtype, (0, 16, 256), layout)
+    assert none.shape == (0, 16, 256) and none.nbytes == 0 and none.layout == layout
     for field in ("qs", "d", "sc", "qh"):
         a, b = getattr(one, field), getattr(none, field)
         assert (a is None) == (b is None), field
         if a is not None:
             assert b.shape == (0, *a.shape[1:]) and b.dtype == a.dtype, field
+
+
+def test_device_repack_refuses_rows():
+    import jax.numpy as jnp
+
+    from bloomery_jax.quant.repack import repack_on_device
+
+    with pytest.raises(ValueError, match="layout 'rows' is not one of"):
+        repack_on_device(jnp.zeros((1, 144), jnp.uint8), T.Q4_K, (1, 256), "rows")

@@ -39,8 +39,9 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--model", required=True, help="GGUF file")
         sp.add_argument("--ubatch", type=int, default=512, help="tokens per forward step (default 512)")
         sp.add_argument("--place", default="card", help=PLACE_HELP)
-        sp.add_argument("--act-rounding", choices=ACT_ROUNDINGS, default="none",
-                        help="none: exact float32 reference; ggml-cpu: round activations like llama.cpp's CPU backend")
+        sp.add_argument("--act-rounding", choices=ACT_ROUNDINGS, default=None,
+                        help="none: exact float32 reference; ggml-cpu / ggml-cuda: round activations like llama.cpp's "
+                             "CPU / CUDA backend (default: none)")
 
     lg = sub.add_parser("logits", help="logits of every position to a .npy file")
     common(lg)

@@ -60,7 +60,7 @@ def chunk_tokens(tokens, ctx: int, bos_id: int | None) -> np.ndarray:
 
 
 def run_perplexity(model: Model, tokens, ctx: int, *, bos_id: int | None, ubatch: int = 512,
-                   act_rounding: str = "none") -> PerplexityRun:
+                   act_rounding: str | None = None) -> PerplexityRun:
     """Evaluate every chunk; ``bos_id`` replaces each chunk's first token (None: keep it)."""
     chunks = chunk_tokens(check_tokens(model, tokens), ctx, bos_id)
     first = ctx // 2

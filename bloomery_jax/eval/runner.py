@@ -28,14 +28,16 @@ def check_tokens(model: Model, tokens) -> np.ndarray:
     return ids.astype(np.int32)
 
 
-def sequence_logits(model: Model, tokens, *, ubatch: int = 512, act_rounding: str = "none") -> np.ndarray:
+def sequence_logits(model: Model, tokens, *, ubatch: int = 512, act_rounding: str | None = None) -> np.ndarray:
     """Logits after every token of one sequence (positions 0..T-1).
 
     Args:
       model: from ``models.loader.load_model``.
       tokens: int ``[T]``.
       ubatch: tokens per forward step.
-      act_rounding: ``"none"`` (exact) or ``"ggml-cpu"`` (llama.cpp's CPU activation rounding).
+      act_rounding: ``"none"`` (exact), ``"ggml-cpu"`` or ``"ggml-cuda"`` (llama.cpp's CPU or CUDA
+        activation rounding, ``ops/actquant.py``); None keeps the model's (``kernels=pallas-q8``
+        loads it with ggml-cuda).
     Returns:
       float32 ``[T, n_vocab]``.
     """
@@ -44,7 +46,7 @@ def sequence_logits(model: Model, tokens, *, ubatch: int = 512, act_rounding: st
         raise ConfigError(f"--ubatch must be positive, got {ubatch}")
     T = ids.size
     step = min(ubatch, T)
-    cfg = dataclasses.replace(model.cfg, act_rounding=act_rounding)
+    cfg = model.cfg if act_rounding is None else dataclasses.replace(model.cfg, act_rounding=act_rounding)
     cache = model.init_cache(1, T)
     out = np.empty((T, cfg.n_vocab), np.float32)
     for start in range(0, T, step):

@@ -81,8 +81,11 @@ def load_model(path: str | os.PathLike, *, device=None, place="card", reserve_by
       kernels: "reference" (jnp dequantize + matmul), "pallas" (card matmul weights repacked
         on the device for the Pallas kernels; ``weights`` must then be blocks or auto),
         "pallas-tf32" (as pallas, prefill experts in one TF32 pass instead of three: sets
-        ``cfg.moe_precision``) or "auto" (pallas on a GPU, else reference). Weights no kernel
-        can serve are listed on stderr and run the reference path.
+        ``cfg.moe_precision``), "pallas-q8" (as pallas with weights in the "ggml" layout and
+        activations rounded to Q8_1 before every quantized matmul, as llama.cpp's CUDA backend
+        does: decode GEMVs take integer dot products; sets ``cfg.act_rounding="ggml-cuda"``) or
+        "auto" (pallas on a GPU, else reference). Weights no kernel can serve are listed on
+        stderr and run the reference path.
     Returns:
       the Model.
     """
@@ -117,9 +120,11 @@ def load_model(path: str | os.PathLike, *, device=None, place="card", reserve_by
     if kernels.startswith("pallas"):
         if weights == "f32":
             raise ConfigError("weights='f32' and kernels='pallas' exclude each other: the kernels read blocks")
-        params = _pack_for_kernels(params, specs)
+        params = _pack_for_kernels(params, specs, "ggml" if kernels == "pallas-q8" else "planes")
         if kernels == "pallas-tf32" and hasattr(cfg, "moe_precision"):
             cfg = dataclasses.replace(cfg, moe_precision="tf32")
+        if kernels == "pallas-q8":
+            cfg = dataclasses.replace(cfg, act_rounding="ggml-cuda")
     elif _want_f32(weights, params, bool(host_tensors)):
         # Exactly the values the per-step dequantization forms (quant.dequantize is bit-exact).
         params = jax.jit(lambda ps: {k: q.dequantize() for k, q in ps.items()})(params)
@@ -127,7 +132,7 @@ def load_model(path: str | os.PathLike, *, device=None, place="card", reserve_by
 
 
 def resolve_kernels(kernels: str, device=None) -> str:
-    """"reference", "pallas" or "pallas-tf32" for a ``kernels`` setting ("auto": pallas on a GPU)."""
+    """The kernels of a ``kernels`` setting: itself, or for "auto" pallas on a GPU, else reference."""
     if kernels not in KERNELS:
         raise ConfigError(f"kernels={kernels!r}: must be one of {', '.join(KERNELS)}")
     if kernels == "auto":
@@ -139,7 +144,7 @@ def resolve_kernels(kernels: str, device=None) -> str:
 MATMUL_ROLES = ("attn", "output", "expert", "shared_expert", "ffn")  # spec roles whose weights feed a matmul
 
 
-def _pack_for_kernels(params: dict, specs) -> dict:
+def _pack_for_kernels(params: dict, specs, layout: str) -> dict:
     """Matmul weights in the Pallas kernels' layout (repacked on the device, same values).
 
     The embedding stays in blocks (a row lookup); a tied output then runs the reference path.
@@ -155,7 +160,7 @@ def _pack_for_kernels(params: dict, specs) -> dict:
         if roles.get(name) not in MATMUL_ROLES:
             continue
         try:
-            params[name] = repack_on_device(q.data, q.qtype, q.shape)
+            params[name] = repack_on_device(q.data, q.qtype, q.shape, layout=layout)
         except ValueError:  # a type without a kernel, or rows not a whole number of chunks
             unserved.append(f"{name} ({T(q.qtype).name} {list(q.shape)})")
         else:

@@ -13,18 +13,27 @@ Roundings (per row of K inputs, blocks along K):
   * Q4_0/Q5_0/Q8_0/IQ4_NL (Q8_0) and Q4_1/Q5_1 (Q8_1), blocks of 32:
     ``q = rint(x * 127 / amax)``, value ``q * f16(amax / 127)``.
   * F16 → float16, BF16 → bfloat16 (round to nearest even); F32 → unchanged.
+
+``"ggml-cuda"`` is what llama.cpp's CUDA backend does before its quantized matmuls (mmvq, mmq):
+every activation row becomes Q8_1 blocks of 32 whatever the weight's block type: ``d = amax /
+127`` (float32), ``q = roundf(x / d)`` (half away from zero), value ``q * f16(d)`` (the block
+stores d as f16). Float weights see x unchanged. :func:`quantize_q8_1` gives the integers
+themselves, for the kernels that take integer dot products (``pallas.qgemv_q8``).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 from gguf import GGMLQuantizationType as T
 
-ACT_ROUNDINGS = ("none", "ggml-cpu")
+ACT_ROUNDINGS = ("none", "ggml-cpu", "ggml-cuda")
 
 _Q8_K_TYPES = frozenset({T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS})
 _Q8_0_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL})
+_FLOAT_TYPES = frozenset({T.F32, T.F16, T.BF16})
 
 
 def _blocks(x: jax.Array, size: int) -> jax.Array:
@@ -53,22 +62,65 @@ def _q8_0(x: jax.Array) -> jax.Array:
     return (jnp.round(b * inv) * d16).reshape(x.shape)
 
 
+def _round_half_away(v: jax.Array) -> jax.Array:
+    """C's roundf: to nearest, halves away from zero (jnp.round takes halves to even)."""
+    t = jnp.trunc(v)
+    return jnp.where(jnp.abs(v - t) == 0.5, t + jnp.sign(v), jnp.round(v))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Q8Act:
+    """Activation rows as llama.cpp's CUDA Q8_1 blocks of 32, laid out for integer dot products."""
+
+    qs: jax.Array  # int32 [..., K/4]: the int8 quants, four a word, little-endian, element order
+    d: jax.Array  # float32 [..., K/32]: each block's scale, already rounded to f16
+    sums: jax.Array  # int32 [..., K/16]: sum of the quants of each half block (mins, Q6_K's -32)
+
+    def values(self) -> jax.Array:
+        """The float32 activations these blocks stand for, ``q * d``: ``[..., K]``."""
+        q = _int8s(self.qs)  # [..., K/32, 32]
+        return (q.astype(jnp.float32) * self.d[..., None]).reshape(*q.shape[:-2], -1)
+
+
+def _int8s(words: jax.Array) -> jax.Array:
+    """int32 [..., K/4] words -> int32 [..., K/32, 32] signed bytes in element order."""
+    b = (words[..., None] << jnp.array([24, 16, 8, 0], jnp.int32)) >> 24  # [..., K/4, 4] sign-extended
+    return b.reshape(*words.shape[:-1], -1, 32)
+
+
+def quantize_q8_1(x: jax.Array) -> Q8Act:
+    """float ``[..., K]`` (K a multiple of 32) -> :class:`Q8Act`, rounding as llama.cpp's CUDA
+    ``quantize_q8_1``."""
+    b = _blocks(x.astype(jnp.float32), 32)  # [..., K/32, 32]
+    amax = jnp.max(jnp.abs(b), axis=-1, keepdims=True)
+    d = amax / jnp.float32(127.0)
+    q = jnp.where(amax == 0, 0.0, _round_half_away(b / jnp.where(amax == 0, 1.0, d))).astype(jnp.int32)
+    u8 = (q & 0xFF).reshape(*q.shape[:-2], -1, 4)  # [..., K/4, 4] bytes
+    qs = jnp.sum(u8 << jnp.array([0, 8, 16, 24], jnp.int32), axis=-1, dtype=jnp.int32)  # disjoint bytes: sum == OR
+    sums = jnp.sum(q.reshape(*q.shape[:-1], 2, 16), axis=-1).reshape(*q.shape[:-2], -1)  # [..., K/16]
+    d16 = d[..., 0].astype(jnp.float16).astype(jnp.float32)
+    return Q8Act(qs, d16, sums)
+
+
 def round_activations(x: jax.Array, weight_qtype, mode: str = "none") -> jax.Array:
     """``x`` as the matmul with a weight of ``weight_qtype`` sees it under ``mode``.
 
     Args:
       x: float32 ``[..., K]`` activations.
       weight_qtype: the ggml type of the weight it multiplies.
-      mode: ``"none"`` (exact reference) or ``"ggml-cpu"``.
+      mode: ``"none"`` (exact reference), ``"ggml-cpu"`` or ``"ggml-cuda"``.
     Returns:
       float32 ``[..., K]``.
     """
     if mode == "none":
         return x
-    if mode != "ggml-cpu":
+    if mode not in ACT_ROUNDINGS:
         raise ValueError(f"unknown activation rounding {mode!r} (have: {', '.join(ACT_ROUNDINGS)})")
     qtype = T(weight_qtype)
     x = x.astype(jnp.float32)
+    if mode == "ggml-cuda":
+        return quantize_q8_1(x).values() if qtype not in _FLOAT_TYPES else x
     if qtype in _Q8_K_TYPES:
         return _q8_k(x)
     if qtype in _Q8_0_TYPES:

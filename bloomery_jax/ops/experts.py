@@ -28,8 +28,9 @@ import jax.numpy as jnp
 
 from ..pallas.moe_gemm import moe_gemm, pick_gemm_config, plan_tiles
 from ..pallas.moe_gemv import moe_gemv, moe_gemv_many
+from ..pallas.qgemv_q8 import moe_gemv_q8
 from ..quant.repack import PackedWeight, repack_on_device
-from .actquant import round_activations
+from .actquant import quantize_q8_1, round_activations
 from .qmatmul import as_f32, interpret_kernels, weight_qtype
 
 MOE_GEMV_MAX_PAIRS = 64
@@ -122,6 +123,11 @@ def _moe_swiglu_gemv(x, experts, weights, gate, up, down, act_rounding):
     flat = experts.reshape(N * k)  # [P] pairs, token-major
     tok = jnp.arange(N * k) // k  # [P] token of each pair
     x = x.astype(jnp.float32)
+    if act_rounding == "ggml-cuda" and gate.layout == "ggml":  # integer dot products on Q8_1 rows
+        xa = jax.tree.map(lambda a: a[tok], quantize_q8_1(x))  # each token's blocks, once per pair
+        h = swiglu(moe_gemv_q8(xa, gate, flat, interpret=interpret), moe_gemv_q8(xa, up, flat, interpret=interpret))
+        y = moe_gemv_q8(quantize_q8_1(h), down, flat, interpret=interpret)  # [P, D]
+        return _weighted_sum(y.reshape(N, k, -1), weights)
     xg = round_activations(x, weight_qtype(gate), act_rounding)[tok]  # [P, D]
     xu = round_activations(x, weight_qtype(up), act_rounding)[tok]
     if act_rounding == "none":  # gate and up read the same x: one launch (decode is launch-bound)
@@ -179,8 +185,8 @@ def placed_moe_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate
     host = placement.host if placement.host is not None and placement.host.has_layer(layer) else None
     if host is not None and streams_host_experts(x.shape[0]):
         full = [host.stream(layer, role) for role in ("gate", "up", "down")]  # QTensor [E, ...] each
-        if isinstance(gate, PackedWeight):  # the kernels read the planes layout: repack on the card
-            full = [repack_on_device(q.data, q.qtype, q.shape) for q in full]
+        if isinstance(gate, PackedWeight):  # the kernels read the card buffers' layout: repack on the card
+            full = [repack_on_device(q.data, q.qtype, q.shape, layout=gate.layout) for q in full]
         return moe_swiglu(x, experts, weights, *full, act_rounding, precision)
     slot_of = placement.slot_of[layer]  # [E]
     slots = slot_of[experts]  # [N, k]

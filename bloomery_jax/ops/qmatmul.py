@@ -7,7 +7,9 @@ rounds the activations as llama.cpp's CPU backend does (see ``ops/actquant.py``)
 
 A weight repacked for the Pallas kernels (``PackedWeight``, ``kernels=pallas`` at load) takes
 the decode GEMV kernel when at most ``GEMV_MAX_ROWS`` rows of x multiply it, else the same
-reference math on its (bit-identical) dequantized values.
+reference math on its (bit-identical) dequantized values. With ``act_rounding="ggml-cuda"`` and a
+weight in the "ggml" layout (``kernels=pallas-q8``) the decode GEMV takes integer dot products on
+the Q8_1-rounded activations (``pallas.qgemv_q8``), as llama.cpp's CUDA backend does.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ import jax
 import jax.numpy as jnp
 
 from ..pallas.qgemv import qgemv, qgemv_many
+from ..pallas.qgemv_q8 import qgemv_q8
 from ..quant import QTensor, dequantize
 from ..quant.repack import PackedWeight, dequantize_packed
-from .actquant import round_activations
+from .actquant import quantize_q8_1, round_activations
 
 HIGHEST = jax.lax.Precision.HIGHEST
 GEMV_MAX_ROWS = 8  # rows of x the GEMV kernel takes in one pass (it unrolls them)
@@ -53,6 +56,9 @@ def qmatmul(x: jax.Array, w, act_rounding: str = "none") -> jax.Array:
     Returns:
       float32 ``[..., N]``.
     """
+    if _takes_q8(w, act_rounding) and x.size // x.shape[-1] <= GEMV_MAX_ROWS:
+        rows = quantize_q8_1(x.reshape(-1, x.shape[-1]))  # [R, K] as Q8_1 blocks
+        return qgemv_q8(rows, w, interpret=interpret_kernels()).reshape(*x.shape[:-1], w.shape[0])
     x = round_activations(x.astype(jnp.float32), weight_qtype(w), act_rounding)
     if isinstance(w, PackedWeight):
         rows = x.reshape(-1, x.shape[-1])  # [R, K]
@@ -70,11 +76,19 @@ def qmatmul_many(x: jax.Array, ws, act_rounding: str = "none") -> tuple:
     one ``qmatmul`` per weight.
     """
     rows = x.reshape(-1, x.shape[-1])  # [R, K]
+    if rows.shape[0] <= GEMV_MAX_ROWS and all(_takes_q8(w, act_rounding) for w in ws):  # one rounding for all
+        xa = quantize_q8_1(rows)
+        return tuple(qgemv_q8(xa, w, interpret=interpret_kernels()).reshape(*x.shape[:-1], w.shape[0]) for w in ws)
     if (act_rounding == "none" and rows.shape[0] <= GEMV_MAX_ROWS
             and all(isinstance(w, PackedWeight) and w.layout == "planes" for w in ws)):
         ys = qgemv_many(rows.astype(jnp.float32), tuple(ws), interpret=interpret_kernels())
         return tuple(y.reshape(*x.shape[:-1], y.shape[-1]) for y in ys)
     return tuple(qmatmul(x, w, act_rounding) for w in ws)
+
+
+def _takes_q8(w, act_rounding: str) -> bool:
+    """The integer dot-product GEMV serves ``w``: Q8_1 activations and a ggml-layout weight."""
+    return act_rounding == "ggml-cuda" and isinstance(w, PackedWeight) and w.layout == "ggml"
 
 
 def take_rows(w, rows: jax.Array) -> jax.Array:

@@ -7,17 +7,19 @@ expert is in [0, E); tiles marked -1 are skipped and their output rows are unspe
 rows, every expert's group padded to whole tiles, so a tile never mixes experts.
 
 How: a Pallas kernel (Triton lowering) on a grid ``(tiles, N / block_n)``. Program (t, i) loads
-its tile's expert index, walks K chunk by chunk, dequantizes each plane of rows
-``i*block_n..`` of that expert into a float32 ``[block_n, W]`` tile (the ``qgemv`` format
-bodies, exact values) and multiply-adds ``x_tile [block_m, W] @ w_tile^T`` on the tensor cores.
+its tile's expert index, walks K chunk by chunk, dequantizes each plane (or, in the "ggml"
+layout, each sub-block) of rows ``i*block_n..`` of that expert into a float32 ``[block_n, W]``
+tile (the ``qgemv`` format bodies, exact values) and multiply-adds
+``x_tile [block_m, W] @ w_tile^T`` on the tensor cores.
 Nothing is dequantized outside the kernel; each expert's weight is read once per row tile of x.
 
-``wide`` (Q4_K, Q5_K) builds a whole 256-column chunk at once over a plane axis and takes one
-K=256 product per chunk instead of eight K=32 ones (fewer layout conversions of fresh tiles;
-not yet timed on the GPU). Precision is a launch parameter: ``"ieee"`` (plain f32 FMAs), ``"tf32x3"`` (three TF32 passes,
-close to f32), ``"tf32"``, ``"bf16x3"``, ``"bf16"``. In the interpreter (CPU tests) every
-choice runs as an f32 product at HIGHEST, so the tests check the tiling and dequantization and
-the GPU bench measures what each precision costs in error and time.
+``wide`` (Q4_K, Q5_K, planes layout only) builds a whole 256-column chunk at once over a plane
+axis and takes one K=256 product per chunk instead of eight K=32 ones (fewer layout conversions
+of fresh tiles; not yet timed on the GPU). Precision is a launch parameter: ``"ieee"`` (plain
+f32 FMAs), ``"tf32x3"`` (three TF32 passes, close to f32), ``"tf32"``, ``"bf16x3"``, ``"bf16"``.
+In the interpreter (CPU tests) every choice runs as an f32 product at HIGHEST, so the tests
+check the tiling and dequantization and the GPU bench measures what each precision costs in
+error and time.
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ..quant.repack import PackedWeight
-from .moe_gemv import _ExpertView, _operands, check_stacked
-from .qgemv import F32, FORMATS, _largest_divisor
+from .moe_gemv import _ExpertView, _kernel_name, _operands, check_stacked
+from .qgemv import F32, _largest_divisor, format_of
 
 __all__ = ["GemmConfig", "TilePlan", "moe_gemm", "pick_gemm_config", "plan_tiles"]
 
@@ -58,7 +60,7 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 2
     precision: str = "tf32x3"
-    wide: bool = False  # one K=chunk product per chunk (Q4_K, Q5_K) instead of one per plane
+    wide: bool = False  # one K=chunk product per chunk (Q4_K, Q5_K, planes layout) instead of one per plane
 
 
 def pick_gemm_config(n_pairs: int, n_experts: int) -> GemmConfig:
@@ -140,7 +142,8 @@ def moe_gemm(x: jax.Array, w: PackedWeight, tile_experts: jax.Array, *, config: 
 
     Args:
       x: float ``[M, K]``, M a multiple of ``config.block_m`` (``plan_tiles`` lays pairs out so).
-      w: PackedWeight ``[E, N, K]`` in the "planes" layout, Q8_0, Q4_K, Q5_K or Q6_K.
+      w: PackedWeight ``[E, N, K]`` in the "planes" or "ggml" layout, Q8_0, Q4_K, Q5_K or Q6_K
+        (``config.wide``: planes only).
       tile_experts: int32 ``[M / block_m]``, each tile's expert, -1 to skip the tile.
       config: launch parameters; ``block_n`` shrinks to the largest power-of-two divisor of N.
       interpret: run with the Pallas interpreter (CPU tests; products at f32 HIGHEST).
@@ -155,7 +158,10 @@ def moe_gemm(x: jax.Array, w: PackedWeight, tile_experts: jax.Array, *, config: 
     if x.ndim != 2 or x.shape[1] != k or x.shape[0] % bm or tile_experts.shape != (x.shape[0] // bm,):
         raise ValueError(f"moe_gemm: x must be [M, {k}] with M a multiple of {bm} and tile_experts [M/{bm}], "
                          f"got {x.shape} and {tile_experts.shape}")
-    fmt = FORMATS[qtype]
+    if config.wide and w.layout != "planes":
+        raise ValueError(f"moe_gemm: wide=True builds whole planes-layout chunks; a {w.layout}-layout weight "
+                         "takes wide=False")
+    fmt = format_of(w.layout, qtype)
     bn = _largest_divisor(n, config.block_n, pow2=True)
     arrays, specs = _operands(w, bn)
     algorithm = jax.lax.Precision.HIGHEST if interpret else _ALGORITHMS[config.precision]
@@ -171,5 +177,5 @@ def moe_gemm(x: jax.Array, w: PackedWeight, tile_experts: jax.Array, *, config: 
         out_specs=pl.BlockSpec((bm, bn), lambda t, i: (t, i)),
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
-        name=f"moe_gemm_{qtype.name.lower()}",
+        name=_kernel_name("moe_gemm", w.layout, qtype),
     )(tile_experts.astype(jnp.int32), x, *arrays)

@@ -5,18 +5,18 @@ Contract: ``moe_gemv(x [P, K], w [E, N, K], experts [P]) -> float32 [P, N]`` wit
 expert; P is small, decode). Pairs may repeat an expert. Expert indices must lie in [0, E);
 others are clamped into that range so the kernel never reads outside the weight.
 
-How: the planes kernel of ``qgemv`` (same per-format bodies, same K loop, same split-K) on a
-grid ``(split_k, P, N / block_n)``. Program (s, p, i) reads row p of x and rows ``i*block_n..`` of expert
-``experts[p]`` straight from the stacked ``[E, ...]`` arrays: nothing is gathered or
-dequantized outside the kernel, so a layer reads only the chosen experts' bytes. Pallas'
-Triton lowering has no scalar prefetch, so the expert cannot be chosen by a BlockSpec's index
-map; instead each program loads its expert index from ``experts`` (a one-element block) and
-uses it as the leading scalar index of every weight load (``_ExpertView``). The weight blocks
-span all E experts (only the row tile is blocked), which costs nothing: a Triton block is a
-pointer, and only the indexed expert's words are loaded.
+How: the planes kernel of ``qgemv`` (same per-format bodies, for the "planes" or the "ggml"
+layout, same K loop, same split-K) on a grid ``(split_k, P, N / block_n)``. Program (s, p, i)
+reads row p of x and rows ``i*block_n..`` of expert ``experts[p]`` straight from the stacked
+``[E, ...]`` arrays: nothing is gathered or dequantized outside the kernel, so a layer reads
+only the chosen experts' bytes. Pallas' Triton lowering has no scalar prefetch, so the expert
+cannot be chosen by a BlockSpec's index map; instead each program loads its expert index from
+``experts`` (a one-element block) and uses it as the leading scalar index of every weight load
+(``_ExpertView``). The weight blocks span all E experts (only the row tile is blocked), which
+costs nothing: a Triton block is a pointer, and only the indexed expert's words are loaded.
 
 Exactness: as ``qgemv`` (every weight formed equals ``dequantize`` bit for bit, only the sum
-order differs), so |y - exact| <= ``rounding_depth("planes", qtype, K, config)`` * 2^-24 *
+order differs), so |y - exact| <= ``rounding_depth(layout, qtype, K, config)`` * 2^-24 *
 sum_k |x_k w_k| per output.
 """
 
@@ -31,7 +31,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ..quant.repack import PackedWeight
-from .qgemv import FORMATS, F32, _accumulate, _launch, _weight_fields, add_partials, many_operands, run_parts
+from .qgemv import (F32, _accumulate, _launch, _weight_fields, add_partials, format_of, many_operands, run_parts,
+                    tuning_layout)
 from .qgemv_tuned import GemvConfig, pick_config
 
 __all__ = ["GemvConfig", "moe_gemv", "moe_gemv_many"]
@@ -52,12 +53,18 @@ class _ExpertView:
 
 
 def check_stacked(w: PackedWeight, name: str) -> T:
-    """The type of a stacked expert weight the MoE kernels can read ([E, N, K], planes layout)."""
+    """The type of a stacked expert weight the MoE kernels can read ([E, N, K], planes or ggml layout)."""
     qtype = T(w.qtype)
-    if qtype not in FORMATS or len(w.shape) != 3 or w.layout != "planes":
-        raise ValueError(f"{name}: needs a 3-D planes-layout Q8_0/Q4_K/Q5_K/Q6_K weight, got "
+    if format_of(w.layout, qtype) is None or len(w.shape) != 3:
+        raise ValueError(f"{name}: needs a 3-D planes-layout or ggml-layout Q8_0/Q4_K/Q5_K/Q6_K weight, got "
                          f"{qtype.name} {w.shape} {w.layout}")
     return qtype
+
+
+def _kernel_name(family: str, layout: str, qtype: T) -> str:
+    """``family_q4_k`` for the planes layout (the names the benches know), ``family_ggml_q4_k`` else."""
+    infix = "" if layout == "planes" else f"{layout}_"
+    return f"{family}_{infix}{qtype.name.lower()}"
 
 
 def _moe_kernel(e_ref, x_ref, *refs, fmt, n_experts: int, steps: int, per_step: int):
@@ -90,7 +97,7 @@ def moe_gemv(x: jax.Array, w: PackedWeight, experts: jax.Array, *, config: GemvC
 
     Args:
       x: float ``[P, K]`` (f32, bf16 or f16; widened in-kernel), one row per (token, expert) pair.
-      w: PackedWeight ``[E, N, K]`` in the "planes" layout, Q8_0, Q4_K, Q5_K or Q6_K.
+      w: PackedWeight ``[E, N, K]`` in the "planes" or "ggml" layout, Q8_0, Q4_K, Q5_K or Q6_K.
       experts: integer ``[P]``, the expert of each pair, in [0, E) (repeats allowed).
       config: launch parameters; None picks ``pick_config`` for one expert's ``[N, K]``.
         ``block_n`` and ``chunks_per_step`` shrink to divisors as in ``qgemv``.
@@ -102,8 +109,8 @@ def moe_gemv(x: jax.Array, w: PackedWeight, experts: jax.Array, *, config: GemvC
     n_exp, n, k = w.shape
     if x.ndim != 2 or x.shape[1] != k or experts.shape != (x.shape[0],):
         raise ValueError(f"moe_gemv: x must be [P, {k}] and experts [P], got {x.shape} and {experts.shape}")
-    cfg = config or pick_config("planes", qtype.name, n, k)
-    fmt = FORMATS[qtype]
+    cfg = config or pick_config(tuning_layout(w.layout), qtype.name, n, k)
+    fmt = format_of(w.layout, qtype)
     bn, steps, per_step, split = _launch(fmt, n, k, cfg)
     arrays, specs = _operands(w, bn)
     n_pairs = x.shape[0]
@@ -118,7 +125,7 @@ def moe_gemv(x: jax.Array, w: PackedWeight, experts: jax.Array, *, config: GemvC
         out_specs=pl.BlockSpec((1, 1, bn), lambda s, p, i: (s, p, i)),
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
-        name=f"moe_gemv_{qtype.name.lower()}",
+        name=_kernel_name("moe_gemv", w.layout, qtype),
     )(experts.astype(jnp.int32), x, *arrays))
 
 
@@ -141,8 +148,8 @@ def moe_gemv_many(x: jax.Array, ws: tuple, experts: jax.Array, *, interpret: boo
     those of :func:`moe_gemv`; the same rounding bound holds.
 
     Args:
-      x: float ``[P, K]``; ws: tuple of 3-D planes-layout PackedWeights ``[E, N_j, K]`` with the
-        same E; experts: integer ``[P]``.
+      x: float ``[P, K]``; ws: tuple of 3-D planes- or ggml-layout PackedWeights ``[E, N_j, K]``
+        with the same E; experts: integer ``[P]``.
       interpret: run with the Pallas interpreter (CPU tests).
     Returns:
       tuple of float32 ``[P, N_j]``.

@@ -1,8 +1,9 @@
 """Quantized GEMV for decode: ``y[B, N] = x[B, K] @ W[N, K]^T`` on repacked GGUF weights.
 
 ``qgemv`` is the entry point; it dispatches on the weight's layout to the "planes" kernel of
-this file (the default layout, measured on the H200) or to the "rows" kernel (``qgemv_rows``,
-which cuts the per-element work but has not been timed on the GPU yet).
+this file (the default layout, measured on the H200; it reads "ggml"-layout weights too) or to
+the "rows" kernel (``qgemv_rows``, which cuts the per-element work but has not been timed on
+the GPU yet).
 
 The planes kernel: one Pallas kernel (Triton lowering) per format, Q8_0, Q4_K, Q5_K, Q6_K in
 the "planes" layout of ``quant.repack`` (a chunk of a row is W int32 words; plane p of the words is W consecutive
@@ -13,6 +14,11 @@ across W at the end. B (1-8 rows of x) is unrolled, so the weight is read once f
 With ``split_k`` S > 1, S programs share a row tile, each walking 1/S of K into its own partial
 output ``[S, B, N]``, summed after the launch: matrices with few rows (the 512-row k and v of a
 layer) otherwise leave most of the card's SMs idle.
+The same kernel reads the "ggml" layout (the file's quant bytes as words, kept for the integer
+dot-product kernels of ``qgemv_q8``) through other per-format bodies (``GGML_FORMATS``): each
+yields a sub-block (W = 32 elements, 16 for Q6_K) unpacked from its words with one shift and mask
+per byte and a ``[BN, W / 4, 4] -> [BN, W]`` reshape, with the planes bodies' exact values, so
+all that follows, and the bound below, is the same. ``format_of(layout, qtype)`` picks the body.
 
 Exactness: every weight the kernel forms equals ``dequantize`` of the file bit for bit (the
 f16 scales widen exactly, ``d * sc`` and its product with the quant are exact in f32, and the
@@ -45,14 +51,16 @@ from .qgemv_tuned import GemvConfig, pick_config
 
 F32 = jnp.float32
 TWO23 = 8388608.0  # 2^23: bitcast(MAGIC | q) - TWO23 == q exactly, with no int->float convert
-__all__ = ["GemvConfig", "pick_config", "qgemv", "qgemv_many", "rounding_depth"]
+__all__ = ["GemvConfig", "format_of", "pick_config", "qgemv", "qgemv_many", "rounding_depth"]
 
 
 @dataclasses.dataclass(frozen=True)
 class _Format:
     chunk: int  # elements of a row per chunk
     width: int  # columns W of a plane tile (= accumulator width)
-    planes: object  # (c, refs) -> iterable of (col, w): chunk c's float32 [BN, W] tiles, w = columns col..col+W
+    # (c, refs) -> iterable of (col, w): chunk c's float32 [BN, W] tiles, w = columns col..col+W
+    # (the planes of a chunk in the planes layout, its sub-blocks in the ggml one)
+    planes: object
     chunk_tile: object = None  # (c, refs) -> float32 [BN, chunk]: the whole chunk at once, where built
 
 
@@ -80,16 +88,31 @@ def _q8_0_planes(c, refs):
         yield c * 128 + p * 32, d[:, None] * q
 
 
+def _k4_scales(c, sc_ref, dm_ref):
+    """Chunk c's ``(d * sc, dmin * m)`` of sub-block p, float32 [BN] each: a function of p."""
+    a, b, cc = sc_ref[c, 0, :], sc_ref[c, 1, :], sc_ref[c, 2, :]  # [BN] packed 6-bit fields
+    d, dmin = dm_ref[c, 0, :].astype(F32), dm_ref[c, 1, :].astype(F32)  # [BN]
+
+    def of(p):
+        sc, mn = k4_scale_min(a, b, cc, p)
+        return d * sc.astype(F32), dmin * mn.astype(F32)  # exact products
+
+    return of
+
+
+def _q6_scale(scw, s: int):
+    """Sub-block s's int8 scale, sign-extended, from the chunk's four scale words (int32 [BN] each)."""
+    return (scw[s // 4] << (24 - 8 * (s % 4))) >> 24  # arithmetic shift
+
+
 def _k4_planes(c, refs, with_qh):
     qs_ref, sc_ref, dm_ref, *qh_ref = refs  # [BN, K/8] i32, [G, 3, BN] i32, [G, 2, BN] f16, [BN, K/8] u8
     words = qs_ref[:, pl.ds(c * 32, 32)]  # [BN, 32]: nibble p of word j = sub-block p, element j
     if with_qh:
         qh = qh_ref[0][:, pl.ds(c * 32, 32)].astype(jnp.int32)  # [BN, 32]: bit p = 5th bit
-    a, b, cc = sc_ref[c, 0, :], sc_ref[c, 1, :], sc_ref[c, 2, :]  # [BN] packed 6-bit fields
-    d, dmin = dm_ref[c, 0, :].astype(F32), dm_ref[c, 1, :].astype(F32)  # [BN]
+    scales = _k4_scales(c, sc_ref, dm_ref)
     for p in range(8):
-        sc, mn = k4_scale_min(a, b, cc, p)
-        dl, ml = d * sc.astype(F32), dmin * mn.astype(F32)  # [BN], exact products
+        dl, ml = scales(p)  # [BN]
         q = (words >> (4 * p)) & 0xF
         if with_qh:
             q = q | (((qh >> p) & 1) << 4)
@@ -105,8 +128,7 @@ def _q6_k_planes(c, refs):
         words = qs_ref[:, pl.ds(c * 32 + h * 16, 16)]  # [BN, 16]: nibble p = plane p
         for p in range(8):
             s = 8 * h + p  # sub-block
-            sc = (scw[s // 4] << (24 - 8 * (s % 4))) >> 24  # sign-extended int8 (arithmetic shift)
-            dl = d * sc.astype(F32)  # [BN]
+            dl = d * _q6_scale(scw, s).astype(F32)  # [BN]
             q = ((words >> (4 * p)) & 0xF) | (((hi >> (16 * h + 2 * p)) & 3) << 4)
             yield c * 256 + h * 128 + p * 16, dl[:, None] * _as_f32(q, TWO23 + 32.0)  # quants biased by 32
 
@@ -139,6 +161,83 @@ FORMATS = {
     T.Q5_K: _Format(256, 32, functools.partial(_k4_planes, with_qh=True), functools.partial(_k4_chunk, with_qh=True)),
     T.Q6_K: _Format(256, 16, _q6_k_planes),
 }
+
+
+# --- the "ggml" layout: the file's quant bytes as int32 words, byte k of word i = element 4i + k
+# of a sub-block. The bodies read each sub-block's words and unpack one bit field of every byte
+# over a byte axis; the [BN, n, 4] result, read row-major, is the sub-block in element order.
+# Same chunks and tile widths as the planes bodies, same values (the same exact f32 tricks).
+
+
+def _byte_fields(words, shift: int, mask: int):
+    """Field ``(byte >> shift) & mask`` of every byte of a word tile, in element order:
+    int32 [BN, n] -> int32 [BN, 4n] (element 4i + k is byte k of word i)."""
+    k = jax.lax.broadcasted_iota(jnp.int32, (1, 1, 4), 2)  # [1, 1, 4] byte of a word
+    fields = (words[:, :, None] >> (8 * k + shift)) & mask  # [BN, n, 4]
+    return fields.reshape(words.shape[0], 4 * words.shape[1])  # [BN, n, 4] -> [BN, 4n]
+
+
+def _q8_0_ggml(c, refs):
+    qs_ref, d_ref = refs  # [BN, K/4] int32 (block b = words 8b..8b+7), [K/32, BN] f16
+    for p in range(4):
+        blk = 4 * c + p  # ggml block: 32 elements, one scale
+        words = qs_ref[:, pl.ds(blk * 8, 8)]  # [BN, 8]
+        d = d_ref[blk, :].astype(F32)  # [BN]
+        q = _as_f32(_byte_fields(words, 0, 0xFF) ^ 0x80, TWO23 + 128.0)  # int8 biased by 128, as planes
+        yield blk * 32, d[:, None] * q  # [BN, 32]
+
+
+def _k4_ggml(c, refs, with_qh):
+    qs_ref, sc_ref, dm_ref, *qh_ref = refs  # [BN, K/8] i32, [G, 3, BN] i32, [G, 2, BN] f16, [BN, K/32] i32
+    if with_qh:
+        qh = qh_ref[0][:, pl.ds(c * 8, 8)]  # [BN, 8]: bit p of byte l = 5th bit of sub-block p, element l
+    scales = _k4_scales(c, sc_ref, dm_ref)
+    for s in range(4):
+        # bytes 32s..32s+31: low nibbles are sub-block 2s, high nibbles sub-block 2s + 1
+        words = qs_ref[:, pl.ds(c * 32 + 8 * s, 8)]  # [BN, 8]
+        for p in (2 * s, 2 * s + 1):
+            q = _byte_fields(words, 4 * (p % 2), 0xF)  # [BN, 32]
+            if with_qh:
+                q = q | (_byte_fields(qh, p, 1) << 4)
+            dl, ml = scales(p)  # [BN]
+            yield c * 256 + p * 32, dl[:, None] * _as_f32(q) - ml[:, None]  # [BN, 32]
+
+
+def _q6_k_ggml(c, refs):
+    qs_ref, qh_ref, sc_ref, d_ref = refs  # [BN, K/8] ql words, [BN, K/16] qh words, [G, 4, BN] i32, [G, BN] f16
+    scw = [sc_ref[c, i, :] for i in range(4)]  # [BN] words of four int8 scales
+    d = d_ref[c, :].astype(F32)  # [BN]
+    for h in range(2):  # 128-element half: ql bytes 64h.., qh bytes 32h..
+        # sub-block m of the half (elements 16m..16m+15) takes the low (m < 4) or high nibbles
+        # of ql bytes 64h + 16 (m % 4).. and field m // 2 of qh bytes 32h + 16 (m % 2)..; each
+        # word group serves several sub-blocks, so all are loaded first
+        lows = [qs_ref[:, pl.ds(c * 32 + 16 * h + 4 * g, 4)] for g in range(4)]  # [BN, 4] each
+        his = [qh_ref[:, pl.ds(c * 16 + 8 * h + 4 * r, 4)] for r in range(2)]  # [BN, 4] each
+        for m in range(8):  # the planes body's order: the same sequence of additions into the accumulators
+            q = _byte_fields(lows[m % 4], 4 * (m // 4), 0xF) | (_byte_fields(his[m % 2], 2 * (m // 2), 3) << 4)
+            dl = d * _q6_scale(scw, 8 * h + m).astype(F32)  # [BN]
+            yield c * 256 + h * 128 + m * 16, dl[:, None] * _as_f32(q, TWO23 + 32.0)  # [BN, 16], biased by 32
+
+
+GGML_FORMATS = {
+    T.Q8_0: _Format(128, 32, _q8_0_ggml),
+    T.Q4_K: _Format(256, 32, functools.partial(_k4_ggml, with_qh=False)),
+    T.Q5_K: _Format(256, 32, functools.partial(_k4_ggml, with_qh=True)),
+    T.Q6_K: _Format(256, 16, _q6_k_ggml),
+}
+F32_LAYOUTS = {"planes": FORMATS, "ggml": GGML_FORMATS}  # the layouts the f32 kernels of this file read
+
+
+def format_of(layout: str, qtype) -> _Format | None:
+    """The f32 kernel body for weights of that layout and type; None where this file has none
+    ("rows" weights go to ``qgemv_rows``)."""
+    return F32_LAYOUTS.get(layout, {}).get(T(qtype))
+
+
+def tuning_layout(layout: str) -> str:
+    """The ``pick_config`` layout key of a weight: the ggml bodies run the planes kernels' loop
+    and launch, so they take the planes parameters until measured on their own."""
+    return "planes" if layout == "ggml" else layout
 
 
 def _accumulate(x_ref, w_refs, *, fmt: _Format, bn: int, nrows: int, steps: int, per_step: int, first=0):
@@ -207,7 +306,7 @@ def rounding_depth(layout: str, qtype, k: int, config: GemvConfig) -> int:
     |y - exact| is depth * 2^-24 * sum_k |x_k| m_k (m from ``repack.scale_magnitudes``)."""
     if layout == "rows":
         return qgemv_rows.rounding_depth(qtype, k, config)
-    width = FORMATS[T(qtype)].width
+    width = format_of(layout, qtype).width
     return k // width + width + (config.split_k if config else 1)
 
 
@@ -225,7 +324,7 @@ def _launch(fmt: _Format, n: int, k: int, cfg: GemvConfig) -> tuple[int, int, in
 def _planes_call(x2, w: PackedWeight, cfg: GemvConfig, interpret: bool) -> jax.Array:
     qtype = T(w.qtype)
     n, k = w.shape
-    fmt = FORMATS[qtype]
+    fmt = format_of(w.layout, qtype)
     bn, steps, per_step, split = _launch(fmt, n, k, cfg)
     arrays, specs = _weight_operands(w, bn)
     nrows = x2.shape[0]
@@ -238,7 +337,7 @@ def _planes_call(x2, w: PackedWeight, cfg: GemvConfig, interpret: bool) -> jax.A
         out_specs=pl.BlockSpec((1, nrows, bn), lambda s, i: (s, 0, i)),
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
-        name=f"qgemv_planes_{qtype.name.lower()}",
+        name=f"qgemv_{w.layout}_{qtype.name.lower()}",
     )(x2, *arrays))
 
 
@@ -249,7 +348,8 @@ def qgemv(x: jax.Array, w: PackedWeight, *, config: GemvConfig | None = None,
 
     Args:
       x: float ``[B, K]`` (B = 1..8) or ``[K]``; f32, bf16 or f16 (widened to f32 in-kernel).
-      w: PackedWeight ``[N, K]`` (``quant.repack``, either layout) of type Q8_0, Q4_K, Q5_K or Q6_K.
+      w: PackedWeight ``[N, K]`` (``quant.repack``, any layout; "planes" and "ggml" take the
+        planes kernel, "rows" ``qgemv_rows``) of type Q8_0, Q4_K, Q5_K or Q6_K.
       config: launch parameters; None picks ``pick_config``. ``block_n`` and
         ``chunks_per_step`` are shrunk to the largest divisors of N and K / chunk (powers of
         two for the rows kernel).
@@ -265,7 +365,7 @@ def qgemv(x: jax.Array, w: PackedWeight, *, config: GemvConfig | None = None,
     x2 = x[None] if squeeze else x
     if x2.ndim != 2 or x2.shape[1] != k or not 1 <= x2.shape[0] <= 8:
         raise ValueError(f"qgemv: x must be [B<=8, {k}] or [{k}], got {x.shape}")
-    cfg = config or pick_config(w.layout, qtype.name, n, k)
+    cfg = config or pick_config(tuning_layout(w.layout), qtype.name, n, k)
     call = qgemv_rows.rows_call if w.layout == "rows" else _planes_call
     y = call(x2, w, cfg, interpret)
     return y[0] if squeeze else y
@@ -314,7 +414,7 @@ def _many_kernel(x_ref, *refs, parts, nrows: int, bn: int):
 
 @dataclasses.dataclass(frozen=True)
 class Many:
-    """What one launch over several planes-layout weights needs (``many_operands``)."""
+    """What one launch over several planes- or ggml-layout weights needs (``many_operands``)."""
 
     bn: int  # common tile height
     parts: tuple  # each weight's _Part, in output order
@@ -332,26 +432,27 @@ class Many:
 
 
 def many_operands(ws, k: int, lead: tuple, name: str) -> Many:
-    """Check and lay out weights for one launch: each a planes-layout Q8_0/Q4_K/Q5_K/Q6_K
-    PackedWeight of shape ``[*lead, N_j, K]`` (2-D dense weights: lead ``()``; stacked experts:
-    ``(E,)``). The tile height is the largest power of two dividing every N, at most the
+    """Check and lay out weights for one launch: each a planes- or ggml-layout (layouts may mix)
+    Q8_0/Q4_K/Q5_K/Q6_K PackedWeight of shape ``[*lead, N_j, K]`` (2-D dense weights: lead ``()``;
+    stacked experts: ``(E,)``). The tile height is the largest power of two dividing every N, at most the
     smallest of the weights' tuned ``block_n``, the split the largest divisor of every weight's
     chunk count at most their smallest ``split_k``; loop steps are each weight's own."""
     for w in ws:
-        if (T(w.qtype) not in FORMATS or w.layout != "planes" or len(w.shape) != len(lead) + 2
+        if (format_of(w.layout, w.qtype) is None or len(w.shape) != len(lead) + 2
                 or tuple(w.shape[:-2]) != lead or w.shape[-1] != k):
-            raise ValueError(f"{name}: needs planes-layout Q8_0/Q4_K/Q5_K/Q6_K weights [{', '.join(map(str, lead + ('N', k)))}], "
+            raise ValueError(f"{name}: needs planes-layout or ggml-layout Q8_0/Q4_K/Q5_K/Q6_K weights "
+                             f"[{', '.join(map(str, lead + ('N', k)))}], "
                              f"got {T(w.qtype).name} {w.shape} {w.layout}")
-    cfgs = [pick_config("planes", T(w.qtype).name, *w.shape[-2:]) for w in ws]
+    cfgs = [pick_config(tuning_layout(w.layout), T(w.qtype).name, *w.shape[-2:]) for w in ws]
     bn = min(cfg.block_n for cfg in cfgs)
     while any(w.shape[-2] % bn for w in ws):
         bn //= 2
     split = min(cfg.split_k for cfg in cfgs)
-    while any((k // FORMATS[T(w.qtype)].chunk) % split for w in ws):
+    while any((k // format_of(w.layout, w.qtype).chunk) % split for w in ws):
         split -= 1
     parts, arrays, specs, start = [], [], [], 0
     for w, cfg in zip(ws, cfgs):
-        fmt = FORMATS[T(w.qtype)]
+        fmt = format_of(w.layout, w.qtype)
         _, steps, per_step, _ = _launch(fmt, w.shape[-2], k, dataclasses.replace(cfg, block_n=bn, split_k=split))
         tiles = w.shape[-2] // bn
         fields = _weight_fields(w)
@@ -372,8 +473,8 @@ def many_operands(ws, k: int, lead: tuple, name: str) -> Many:
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
 def qgemv_many(x: jax.Array, ws: tuple, *, interpret: bool = False) -> tuple:
-    """``tuple(x @ w.T for w in ws)`` in one launch: several planes-layout weights that read the
-    same x (q, k and v of a layer), each with its own format.
+    """``tuple(x @ w.T for w in ws)`` in one launch: several planes- or ggml-layout weights that
+    read the same x (q, k and v of a layer), each with its own format and layout.
 
     Program i serves a row tile of one weight (``pl.when`` picks the weight, so only its loads
     run). Per output row the products and the K accumulation are those of :func:`qgemv` on that
@@ -383,7 +484,7 @@ def qgemv_many(x: jax.Array, ws: tuple, *, interpret: bool = False) -> tuple:
 
     Args:
       x: float ``[B, K]`` (B = 1..8).
-      ws: tuple of 2-D planes-layout PackedWeights ``[N_j, K]`` (Q8_0, Q4_K, Q5_K or Q6_K).
+      ws: tuple of 2-D planes- or ggml-layout PackedWeights ``[N_j, K]`` (Q8_0, Q4_K, Q5_K or Q6_K).
       interpret: run with the Pallas interpreter (CPU tests).
     Returns:
       tuple of float32 ``[B, N_j]``.

@@ -36,6 +36,12 @@ DEFAULTS: dict[tuple[str, str], tuple[int, int, int, int]] = {
     ("rows", "Q4_K"): (16, 2, 4, 3),
     ("rows", "Q5_K"): (16, 2, 4, 3),
     ("rows", "Q6_K"): (16, 2, 4, 3),
+    # "q8" (qgemv_q8, integer dot products; chunks_per_step unused): not yet timed on the GPU, a
+    # guess from the planes sweep (split_k pays on the few-row matrices of a decode step)
+    ("q8", "Q8_0"): (32, 1, 4, 3, 2),
+    ("q8", "Q4_K"): (32, 1, 4, 3, 2),
+    ("q8", "Q5_K"): (32, 1, 4, 3, 2),
+    ("q8", "Q6_K"): (32, 1, 4, 3, 2),
 }
 
 TUNED: dict[tuple[str, str, int, int], tuple[int, int, int, int]] = {

@@ -60,7 +60,7 @@ def seat_experts(params: dict, host, layer: int, slots, experts) -> int:
         blocks = np.ascontiguousarray(src[experts])  # [n, rows, row_bytes]
         moved += blocks[: n - pad].nbytes
         if isinstance(q, PackedWeight):  # kernels=pallas: repack the experts on the card, then write each field
-            new = repack_on_device(jax.device_put(blocks, q.qs.device), q.qtype, (n, *q.shape[1:]))
+            new = repack_on_device(jax.device_put(blocks, q.qs.device), q.qtype, (n, *q.shape[1:]), layout=q.layout)
             fields = {f: _write_rows(getattr(q, f), slots, getattr(new, f))
                       for f in ("qs", "d", "sc", "qh") if getattr(q, f) is not None}
             params[name] = dataclasses.replace(q, **fields)

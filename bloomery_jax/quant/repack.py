@@ -1,14 +1,16 @@
-"""Load-time repacking of GGUF weight blocks into the plane layout the Pallas GEMV kernels read.
+"""Load-time repacking of GGUF weight blocks into the layouts the Pallas GEMV kernels read.
 
-Contract: ``repack(raw, qtype, shape)`` rearranges the bits of a Q8_0 / Q4_K / Q5_K / Q6_K
+Contract: ``repack(raw, qtype, shape, layout)`` rearranges the bits of a Q8_0 / Q4_K / Q5_K / Q6_K
 tensor ``[..., N, K]`` (raw uint8 ``[..., N, row_bytes]``) without changing a single value:
 the integer quants, the sub-block scales and mins and the f16 super-scales are the file's, only
-moved, and every array together holds exactly the file's byte count.
+moved, and every array together holds exactly the file's byte count ("rows" excepted: it
+unpacks the K-quants' 12 scale bytes to 16).
 ``dequantize_packed(pw)`` rebuilds the float32 values with ggml's arithmetic and is bit-exact
 with ``quant.dequantize`` on the original blocks (tests/test_repack.py checks it).
+``repack_on_device`` computes the "planes" and "ggml" layouts on the device holding the bytes.
 
-The plane layout. A kernel works on a chunk of C elements of one row at a time (C = 256 for
-the K-quants, 128 for Q8_0). Inside a chunk, element ``p * W + j`` (plane p, column j) sits in
+The plane layout ("planes"). A kernel works on a chunk of C elements of one row at a time
+(C = 256 for the K-quants, 128 for Q8_0). Inside a chunk, element ``p * W + j`` (plane p, column j) sits in
 bit field p of the 32-bit word j: the chunk's W words unpack with one shift and mask per plane
 into a ``[rows, W]`` tile whose W consecutive elements share one scale, so a kernel needs no
 reshape or gather, only broadcasts. Per-chunk scales are stored ``[..., chunks, fields, N]``
@@ -26,6 +28,23 @@ reshape or gather, only broadcasts. Per-chunk scales are stored ``[..., chunks, 
       qh int32 [..., N, K/16]       high 2 bits of (half h, plane p, column j) at bit 16h + 2p of word (s, j)
       sc int32 [..., K/256, 4, N]   the 16 int8 sub-block scales, little-endian
       d  f16   [..., K/256, N]
+
+The ggml layout ("ggml"). The quant bytes stay in the file's order, read as little-endian int32
+words, row-major (byte k of word i is quant byte 4i + k of the row): each word holds 4
+consecutive bytes of one sub-block, which is what a 4-way integer dot product (dp4a) wants.
+The scale fields are the planes layout's, the same arrays.
+
+  Q8_0:  qs int32 [..., N, K/4]   block b's 32 int8 quants are words 8b..8b+7;  d as planes
+  Q4_K:  qs int32 [..., N, K/8]   each block's 128 qs bytes (block bytes 16:144), 32 words;
+         byte 32s + l holds element 64s + l (low nibble) and 64s + 32 + l (high);  sc, dm as planes
+  Q5_K:  as Q4_K with qs = block bytes 48:176, plus qh int32 [..., N, K/32]: the 32 qh bytes
+         (block bytes 16:48), bit t of byte l the 5th bit of element 32t + l
+  Q6_K:  qs int32 [..., N, K/8]   the 128 ql bytes (block bytes 0:128): per 128-element half h,
+         byte 64h + l holds element 128h + l (low nibble) and 128h + 64 + l (high);
+         qh int32 [..., N, K/16] the 64 qh bytes (block bytes 128:192): 2-bit field j of byte
+         32h + l is the top of element 128h + 32j + l;  sc, d as planes
+
+The "rows" layout (``_REPACK_ROWS``) is read by ``pallas.qgemv_rows`` only.
 """
 
 from __future__ import annotations
@@ -47,7 +66,7 @@ MAGIC = 0x4B000000  # f32 bits of 2^23: OR-ing an integer below 2^23 into it giv
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PackedWeight:
-    """A weight ``[..., N, K]`` in the plane layout (see the module docstring for each field).
+    """A weight ``[..., N, K]`` in one of ``LAYOUTS`` (see the module docstring for each field).
 
     ``qh`` and ``sc`` are None for formats that have no such field. ``qtype`` and ``shape``
     (the logical shape) are static, so jit specializes on them.
@@ -158,22 +177,47 @@ def _blocks(raw, qtype: T, shape: tuple[int, ...]):
     return raw.reshape(*shape[:-1], k // elems, nbytes)
 
 
+# --- scale fields: the same arrays in the "planes" and "ggml" layouts
+
+
+def _q8_0_scales(blocks, lead: int, xp=_NumpyOps) -> dict:
+    # block: d (f16) | 32 int8
+    *rows, nb, _ = blocks.shape
+    d = xp.f16(blocks[..., 0:2]).reshape(*rows, nb)  # [..., N, K/32]
+    return dict(d=xp.rows_last(d, lead))
+
+
+def _k4_scales(blocks, lead: int, xp=_NumpyOps) -> dict:
+    # block: d | dmin | scales[12] | ...
+    dm = xp.f16(blocks[..., 0:4])  # [..., N, G, 2]
+    sc = xp.u32(blocks[..., 4:16])  # [..., N, G, 3]
+    return dict(sc=xp.rows_last(sc, lead), d=xp.rows_last(dm, lead))
+
+
+def _q6_k_scales(blocks, lead: int, xp=_NumpyOps) -> dict:
+    # block: ... | scales[16] (int8) | d (f16)
+    *rows, g, _ = blocks.shape
+    sc = xp.u32(blocks[..., 192:208])  # [..., N, G, 4]
+    d = xp.f16(blocks[..., 208:210]).reshape(*rows, g)  # [..., N, G]
+    return dict(sc=xp.rows_last(sc, lead), d=xp.rows_last(d, lead))
+
+
+# --- "planes" quants
+
+
 def _q8_0(blocks, lead: int, xp=_NumpyOps) -> dict:
-    # block: d (f16) | 32 int8; 4 consecutive blocks form a chunk of 4 planes x 32 columns
+    # 4 consecutive blocks form a chunk of 4 planes x 32 columns
     *rows, nb, _ = blocks.shape
     q = blocks[..., 2:34].reshape(*rows, nb // 4, 4, 32)  # [..., N, C, plane, j]
     qs = xp.pack_planes(q, 8).reshape(*rows, nb * 8)
-    d = xp.f16(blocks[..., 0:2]).reshape(*rows, nb)  # [..., N, K/32]
-    return dict(qs=qs, d=xp.rows_last(d, lead))
+    return dict(qs=qs, **_q8_0_scales(blocks, lead, xp))
 
 
 def _k4_common(blocks, qs_bytes, lead: int, xp) -> dict:
     *rows, g, _ = blocks.shape
     q = _nibble_pairs(qs_bytes, 4, 32, xp)  # [..., N, G, 8, 32]: sub-block = plane
     qs = xp.pack_planes(q, 4).reshape(*rows, g * 32)
-    dm = xp.f16(blocks[..., 0:4])  # [..., N, G, 2]
-    sc = xp.u32(blocks[..., 4:16])  # [..., N, G, 3]
-    return dict(qs=qs, sc=xp.rows_last(sc, lead), d=xp.rows_last(dm, lead))
+    return dict(qs=qs, **_k4_scales(blocks, lead, xp))
 
 
 def _q4_k(blocks, lead: int, xp=_NumpyOps) -> dict:
@@ -189,16 +233,22 @@ def _q5_k(blocks, lead: int, xp=_NumpyOps) -> dict:
     return out
 
 
-def _q6_values(blocks, xp=_NumpyOps):
-    """The 6-bit quants of Q6_K blocks in element order: [..., G, 210] -> uint8 [..., G, 256]."""
-    *rows, g, _ = blocks.shape
-    ql = blocks[..., 0:128].reshape(*rows, g, 2, 64)
-    qh = blocks[..., 128:192].reshape(*rows, g, 2, 1, 32)
+def _q6_from_bytes(ql, qh, xp=_NumpyOps):
+    """The 6-bit quants of Q6_K blocks in element order: ql [..., G, 128], qh [..., G, 64]
+    (bytes, any integer dtype) -> [..., G, 256]."""
+    *lead, g, _ = ql.shape
+    ql = ql.reshape(*lead, g, 2, 64)
+    qh = qh.reshape(*lead, g, 2, 1, 32)
     # per 128-element half: ql byte l holds elements l (low nibble) and l + 64 (high);
     # 2-bit field k of qh byte l holds the high bits of element 32 k + l
-    low = _nibble_pairs(ql, 1, 64, xp).reshape(*rows, g, 2, 128)
-    high = xp.concat([(qh >> s) & 3 for s in (0, 2, 4, 6)], axis=-2).reshape(*rows, g, 2, 128)
-    return (low | (high << 4)).reshape(*rows, g, 256)
+    low = _nibble_pairs(ql, 1, 64, xp).reshape(*lead, g, 2, 128)
+    high = xp.concat([(qh >> s) & 3 for s in (0, 2, 4, 6)], axis=-2).reshape(*lead, g, 2, 128)
+    return (low | (high << 4)).reshape(*lead, g, 256)
+
+
+def _q6_values(blocks, xp=_NumpyOps):
+    """The 6-bit quants of Q6_K blocks in element order: [..., G, 210] -> uint8 [..., G, 256]."""
+    return _q6_from_bytes(blocks[..., 0:128], blocks[..., 128:192], xp)
 
 
 def _q6_k(blocks, lead: int, xp=_NumpyOps) -> dict:
@@ -208,12 +258,40 @@ def _q6_k(blocks, lead: int, xp=_NumpyOps) -> dict:
     qs = xp.pack_planes(q & 15, 4).reshape(*rows, g * 32)  # words (s, h, j)
     high = (q >> 4).reshape(*rows, g, 16, 16)  # [..., G, h*8+p, j]
     qh_words = xp.pack_planes(high, 2).reshape(*rows, g * 16)  # words (s, j)
-    sc = xp.u32(blocks[..., 192:208])  # [..., N, G, 4]
-    d = xp.f16(blocks[..., 208:210]).reshape(*rows, g)
-    return dict(qs=qs, qh=qh_words, sc=xp.rows_last(sc, lead), d=xp.rows_last(d, lead))
+    return dict(qs=qs, qh=qh_words, **_q6_k_scales(blocks, lead, xp))
 
 
 _REPACK = {T.Q8_0: _q8_0, T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k}
+
+
+# --- "ggml" quants: the file's bytes as words, nothing moved within a row
+
+
+def _words(blocks, start: int, stop: int, xp):
+    """Bytes ``start:stop`` of every block as little-endian words, row-major:
+    uint8 [..., N, G, block_bytes] -> int32 [..., N, G * (stop - start) / 4]."""
+    *rows, g, _ = blocks.shape
+    return xp.u32(blocks[..., start:stop]).reshape(*rows, g * ((stop - start) // 4))
+
+
+def _ggml_q8_0(blocks, lead: int, xp=_NumpyOps) -> dict:
+    return dict(qs=_words(blocks, 2, 34, xp), **_q8_0_scales(blocks, lead, xp))
+
+
+def _ggml_q4_k(blocks, lead: int, xp=_NumpyOps) -> dict:
+    return dict(qs=_words(blocks, 16, 144, xp), **_k4_scales(blocks, lead, xp))
+
+
+def _ggml_q5_k(blocks, lead: int, xp=_NumpyOps) -> dict:
+    return dict(qs=_words(blocks, 48, 176, xp), qh=_words(blocks, 16, 48, xp), **_k4_scales(blocks, lead, xp))
+
+
+def _ggml_q6_k(blocks, lead: int, xp=_NumpyOps) -> dict:
+    return dict(qs=_words(blocks, 0, 128, xp), qh=_words(blocks, 128, 192, xp), **_q6_k_scales(blocks, lead, xp))
+
+
+_REPACK_GGML = {T.Q8_0: _ggml_q8_0, T.Q4_K: _ggml_q4_k, T.Q5_K: _ggml_q5_k, T.Q6_K: _ggml_q6_k}
+_ON_DEVICE = {"planes": _REPACK, "ggml": _REPACK_GGML}  # the layouts repack_on_device builds
 
 
 # --- "rows" layout: every field rows-first, each sub-block's quants in its own words, in order
@@ -267,18 +345,26 @@ def _rows_q6_k(blocks: np.ndarray) -> dict:
 
 
 _REPACK_ROWS = {T.Q8_0: _rows_q8_0, T.Q4_K: _rows_q4_k, T.Q5_K: _rows_q5_k, T.Q6_K: _rows_q6_k}
-LAYOUTS = ("planes", "rows")
+LAYOUTS = ("planes", "rows", "ggml")
+
+
+def _check_type(qtype: T) -> None:
+    if qtype not in _REPACK:
+        names = ", ".join(t.name for t in PACKABLE)
+        raise ValueError(f"repack: no GEMV layout for {qtype.name} (have {names})")
 
 
 def repack(raw: np.ndarray, qtype, shape, layout: str = "planes") -> PackedWeight:
-    """GGUF blocks of a ``[..., N, K]`` weight in the plane layout, values unchanged.
+    """GGUF blocks of a ``[..., N, K]`` weight in one of ``LAYOUTS``, values unchanged.
 
     Args:
       raw: uint8 ``[..., N, row_bytes]`` (any shape with that byte count), e.g. a memmap view.
       qtype: Q8_0, Q4_K, Q5_K or Q6_K.
       shape: logical shape ``[..., N, K]``; K a multiple of 256 (128 for Q8_0).
-      layout: "planes" (the kernel measured on the H200) or "rows" (its successor, built and
-        tested in interpret mode, not yet timed on the GPU; docs/LOG.md 2026-12-02).
+      layout: "planes" (the kernel measured on the H200), "rows" (its successor, built and
+        tested in interpret mode, not yet timed on the GPU; docs/LOG.md 2026-12-02) or "ggml"
+        (the file's quant bytes as words, for integer dot-product kernels; the f32 planes
+        kernels read it too).
     Returns:
       PackedWeight whose arrays are on the default device.
     Raises:
@@ -286,50 +372,51 @@ def repack(raw: np.ndarray, qtype, shape, layout: str = "planes") -> PackedWeigh
     """
     qtype = T(qtype)
     shape = tuple(int(s) for s in shape)
-    if qtype not in _REPACK:
-        names = ", ".join(t.name for t in PACKABLE)
-        raise ValueError(f"repack: no GEMV layout for {qtype.name} (have {names})")
+    _check_type(qtype)
     if layout not in LAYOUTS:
         raise ValueError(f"repack: layout {layout!r} is not one of {LAYOUTS}")
     blocks = _blocks(raw, qtype, shape)
-    if layout == "planes":
-        fields = _REPACK[qtype](blocks, len(shape) - 2)
-    else:
+    if layout == "rows":
         fields = _REPACK_ROWS[qtype](blocks)
+    else:
+        fields = _ON_DEVICE[layout][qtype](blocks, len(shape) - 2)
     arrays = {k: jnp.asarray(v) for k, v in fields.items()}
     return PackedWeight(**arrays, qtype=int(qtype), shape=shape, layout=layout)
 
 
-def repack_on_device(data: jax.Array, qtype, shape) -> PackedWeight:
-    """:func:`repack` into the "planes" layout for blocks already on a device, computed there.
+def repack_on_device(data: jax.Array, qtype, shape, layout: str = "planes") -> PackedWeight:
+    """:func:`repack` into the "planes" or "ggml" layout for blocks already on a device, computed
+    there.
 
     Args:
       data: uint8 ``[..., N, row_bytes]`` device array (a ``QTensor.data``).
       qtype, shape: as for :func:`repack`.
+      layout: "planes" or "ggml".
     Returns:
-      PackedWeight on the same device, bit-identical to ``repack(np.asarray(data), qtype, shape)``.
+      PackedWeight on the same device, bit-identical to
+      ``repack(np.asarray(data), qtype, shape, layout)``.
     """
     qtype = T(qtype)
     shape = tuple(int(s) for s in shape)
-    if qtype not in _REPACK:
-        names = ", ".join(t.name for t in PACKABLE)
-        raise ValueError(f"repack: no GEMV layout for {qtype.name} (have {names})")
+    _check_type(qtype)
+    if layout not in _ON_DEVICE:
+        raise ValueError(f"repack_on_device: layout {layout!r} is not one of {tuple(_ON_DEVICE)}")
     _blocks(data, qtype, shape)  # validates before tracing
     lead = len(shape) - 2
     if 0 in shape[:lead]:  # no experts (a layer whose experts all run on the host): empty fields
         one = (1,) * lead
-        probe = jax.eval_shape(lambda d: _repack_jit(d, int(qtype), one + shape[lead:]),
+        probe = jax.eval_shape(lambda d: _repack_jit(d, int(qtype), one + shape[lead:], layout),
                                jax.ShapeDtypeStruct(one + data.shape[lead:], data.dtype))
         fields = {k: jnp.zeros(shape[:lead] + v.shape[lead:], v.dtype, device=data.sharding)
                   for k, v in probe.items()}
     else:
-        fields = _repack_jit(data, int(qtype), shape)
-    return PackedWeight(**fields, qtype=int(qtype), shape=shape, layout="planes")
+        fields = _repack_jit(data, int(qtype), shape, layout)
+    return PackedWeight(**fields, qtype=int(qtype), shape=shape, layout=layout)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def _repack_jit(data: jax.Array, qtype: int, shape: tuple[int, ...]) -> dict:
-    return _REPACK[T(qtype)](_blocks(data, T(qtype), shape), len(shape) - 2, _JaxOps)
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _repack_jit(data: jax.Array, qtype: int, shape: tuple[int, ...], layout: str) -> dict:
+    return _ON_DEVICE[layout][T(qtype)](_blocks(data, T(qtype), shape), len(shape) - 2, _JaxOps)
 
 
 # ------------------------------------------------------------------------------------ jnp side
@@ -376,16 +463,20 @@ def dequantize_packed(pw: PackedWeight) -> jax.Array:
     The products follow ggml's order (f16 widened; ``d * sc`` first, then times the quant);
     each product is exact in f32, so only the final subtraction of the min rounds.
     """
-    qtype = T(pw.qtype)
     if pw.layout == "rows":
         return _dequantize_rows(pw)
+    quants = _planes_quants if pw.layout == "planes" else _ggml_quants
+    return _scaled(pw, quants(pw))
+
+
+def _planes_quants(pw: PackedWeight) -> jax.Array:
+    """The unsigned quants of a planes-layout weight grouped by scale, int32:
+    Q8_0 [..., N, K/32, 32] (bytes), K-quants [..., N, G, 8, 32], Q6_K [..., N, G, 16, 16]."""
+    qtype = T(pw.qtype)
     *rows, k = pw.shape
-    lead = len(rows) - 1
     if qtype == T.Q8_0:
-        q = _planes(pw.qs.reshape(*rows, k // 128, 32), 4, 8)  # [..., N, C, plane, j]
-        q = (q ^ 0x80) - 0x80  # the bytes are two's-complement int8
-        d = _f32(_rows_first(pw.d, lead)).reshape(*rows, k // 128, 4, 1)
-        return (d * _f32(q)).reshape(pw.shape)
+        q = _planes(pw.qs.reshape(*rows, k // 128, 32), 4, 8)  # [..., N, C, plane, j]: plane = block
+        return q.reshape(*rows, k // 32, 32)
     g = k // 256
     words = pw.qs.reshape(*rows, g, 32)
     if qtype in (T.Q4_K, T.Q5_K):
@@ -393,6 +484,39 @@ def dequantize_packed(pw: PackedWeight) -> jax.Array:
         if qtype == T.Q5_K:
             qh = pw.qh.reshape(*rows, g, 32).astype(jnp.int32)
             q = q | (((qh[..., None, :] >> jnp.arange(8)[:, None]) & 1) << 4)
+        return q
+    low = _planes(words.reshape(*rows, g, 2, 16), 8, 4)  # [..., N, G, h, p, j]
+    high = _planes(pw.qh.reshape(*rows, g, 16), 16, 2).reshape(*rows, g, 2, 8, 16)
+    return (low | (high << 4)).reshape(*rows, g, 16, 16)  # sub-block 8h + p
+
+
+def _ggml_quants(pw: PackedWeight) -> jax.Array:
+    """As :func:`_planes_quants` for a ggml-layout weight: the words' bytes are the file's."""
+    qtype = T(pw.qtype)
+    *rows, k = pw.shape
+    qs = _bytes_of(pw.qs, pw.qs.shape[-1])  # [..., N, quant bytes of the row]
+    if qtype == T.Q8_0:
+        return qs.reshape(*rows, k // 32, 32)
+    g = k // 256
+    qh = None if pw.qh is None else _bytes_of(pw.qh, pw.qh.shape[-1]).reshape(*rows, g, -1)  # [..., N, G, 32 or 64]
+    if qtype == T.Q6_K:
+        return _q6_from_bytes(qs.reshape(*rows, g, 128), qh, _JaxOps).reshape(*rows, g, 16, 16)
+    q = _nibble_pairs(qs.reshape(*rows, g, 128), 4, 32, _JaxOps)  # [..., N, G, 8, 32]
+    if qtype == T.Q5_K:  # bit t of qh byte l: 5th bit of sub-block t, element l
+        q = q | (((qh[..., None, :] >> jnp.arange(8)[:, None]) & 1) << 4)
+    return q
+
+
+def _scaled(pw: PackedWeight, q: jax.Array) -> jax.Array:
+    """float32 ``pw.shape``: quants grouped by scale (``_planes_quants``' shapes) times the
+    scale fields, which are the same arrays in the planes and ggml layouts."""
+    qtype = T(pw.qtype)
+    lead = len(pw.shape) - 2
+    if qtype == T.Q8_0:
+        q = (q ^ 0x80) - 0x80  # the bytes are two's-complement int8
+        d = _f32(_rows_first(pw.d, lead))  # [..., N, K/32]
+        return (d[..., None] * _f32(q)).reshape(pw.shape)
+    if qtype in (T.Q4_K, T.Q5_K):
         sc = _rows_first(pw.sc, lead)  # [..., N, G, 3]
         pairs = [k4_scale_min(sc[..., 0], sc[..., 1], sc[..., 2], p) for p in range(8)]
         scale = jnp.stack([s for s, _ in pairs], axis=-1)  # [..., N, G, 8]
@@ -402,14 +526,11 @@ def dequantize_packed(pw: PackedWeight) -> jax.Array:
         ml = dm[..., 1:2] * _f32(mins)
         return (dl[..., None] * _f32(q) - ml[..., None]).reshape(pw.shape)
     # Q6_K
-    low = _planes(words.reshape(*rows, g, 2, 16), 8, 4)  # [..., N, G, h, p, j]
-    high = _planes(pw.qh.reshape(*rows, g, 16), 16, 2).reshape(*rows, g, 2, 8, 16)
-    q = (low | (high << 4)) - 32
     sc = _bytes_of(_rows_first(pw.sc, lead), 4)  # [..., N, G, 16] in 0..255
     sc = (sc ^ 0x80) - 0x80
     d = _f32(_rows_first(pw.d, lead))[..., None]  # [..., N, G, 1]
-    dl = (d * _f32(sc)).reshape(*rows, g, 2, 8, 1)
-    return (dl * _f32(q)).reshape(pw.shape)
+    dl = d * _f32(sc)  # [..., N, G, 16]
+    return (dl[..., None] * _f32(q - 32)).reshape(pw.shape)
 
 
 def _unpack_natural(words: jax.Array, bits: int) -> jax.Array:

@@ -1,0 +1,111 @@
+"""pallas.qgemv_q8 (integer dot products on Q8_1 activations; Pallas interpret mode with the dp4a
+emulation on the CPU) against float64, and its Triton lowering with the inline PTX.
+
+Tolerance (``qgemv_q8.rounding_depth``): the truth is the float64 product of the Q8_1-rounded
+activations (``Q8Act.values()``, llama.cpp's CUDA rounding, tested in test_ops_actquant.py)
+and the file's weights; every integer partial sum is exact, and each term then passes through
+at most ``depth`` float32 roundings, so
+    |y - y_f64| <= depth * 2^-24 * sum_k |xv_k| m_k,   m = |s q| + |min| (repack.scale_magnitudes),
+with a 1% margin for second-order terms.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+
+from bloomery_jax.ops.actquant import quantize_q8_1
+from bloomery_jax.pallas.qgemv_q8 import moe_gemv_q8, qgemv_q8, rounding_depth
+from bloomery_jax.pallas.qgemv_tuned import GemvConfig
+from bloomery_jax.quant import dequantize
+from bloomery_jax.quant.repack import PACKABLE, repack, scale_magnitudes
+from test_pallas_qgemv import U, weight
+from triton_lowering import triton_kernels
+
+CFG = GemvConfig(16, 1, 4, 3, 2)  # 2 row tiles of 16 at N=32, two programs per tile's K range
+
+
+def ratios(y, xa, w64, mag_w, qtype, k, cfg):
+    """|y - y_f64| / bound for every output (rows of x against rows of w64 [R, N, K] or [N, K])."""
+    xv = np.asarray(xa.values(), np.float64)
+    if w64.ndim == 2:
+        exact, mag = xv @ w64.T, np.abs(xv) @ mag_w.T
+    else:
+        exact, mag = np.einsum("pk,pnk->pn", xv, w64), np.einsum("pk,pnk->pn", np.abs(xv), mag_w)
+    return np.abs(np.asarray(y, np.float64) - exact) / (1.01 * rounding_depth(qtype, k, cfg) * U * mag)
+
+
+@pytest.mark.parametrize("qtype", PACKABLE, ids=lambda t: t.name)
+def test_matches_reference(qtype):
+    rng = np.random.default_rng(int(qtype) + 40)
+    n, k = 32, 512
+    raw = weight(qtype, n, k, rng)
+    pw = repack(raw, qtype, (n, k), "ggml")
+    xa = quantize_q8_1(jnp.asarray(rng.standard_normal((2, k)), jnp.float32))
+    y = qgemv_q8(xa, pw, config=CFG, interpret=True)
+    assert y.shape == (2, n) and y.dtype == jnp.float32
+    w64 = np.asarray(dequantize(raw, qtype, (n, k)), np.float64)
+    mag = np.asarray(scale_magnitudes(pw), np.float64)
+    assert ratios(y, xa, w64, mag, qtype, k, CFG).max() <= 1.0
+    # the same kernel on another row order of the weight is far outside the bound (guards the test)
+    assert ratios(y, xa, w64[::-1], mag[::-1], qtype, k, CFG).max() > 1.0
+
+
+def test_one_row_no_split():
+    rng = np.random.default_rng(9)
+    raw = weight(T.Q6_K, 64, 256, rng)
+    pw = repack(raw, T.Q6_K, (64, 256), "ggml")
+    cfg = GemvConfig(64, 1, 4, 3, 1)
+    xa = quantize_q8_1(jnp.asarray(rng.standard_normal((1, 256)), jnp.float32))
+    y = qgemv_q8(xa, pw, config=cfg, interpret=True)
+    w64 = np.asarray(dequantize(raw, T.Q6_K, (64, 256)), np.float64)
+    assert ratios(y, xa, w64, np.asarray(scale_magnitudes(pw), np.float64), T.Q6_K, 256, cfg).max() <= 1.0
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_moe_matches_reference(qtype):
+    rng = np.random.default_rng(int(qtype) + 50)
+    e, n, k = 5, 32, 512
+    raw = np.stack([weight(qtype, n, k, rng) for _ in range(e)])
+    pw = repack(raw, qtype, (e, n, k), "ggml")
+    experts = jnp.asarray(rng.integers(0, e, 6), jnp.int32)
+    xa = quantize_q8_1(jnp.asarray(rng.standard_normal((6, k)), jnp.float32))
+    y = moe_gemv_q8(xa, pw, experts, config=CFG, interpret=True)
+    w64 = np.asarray(dequantize(raw, qtype, (e, n, k)), np.float64)
+    mag = np.asarray(scale_magnitudes(pw), np.float64)
+    ex = np.asarray(experts)
+    assert ratios(y, xa, w64[ex], mag[ex], qtype, k, CFG).max() <= 1.0
+    assert ratios(y, xa, w64[(ex + 1) % e], mag[ex], qtype, k, CFG).max() > 1.0  # a wrong expert fails
+
+
+def test_bad_inputs_raise():
+    rng = np.random.default_rng(1)
+    planes = repack(weight(T.Q4_K, 32, 256, rng), T.Q4_K, (32, 256))
+    xa = quantize_q8_1(jnp.zeros((1, 256)))
+    with pytest.raises(ValueError, match="ggml-layout"):
+        qgemv_q8(xa, planes, interpret=True)
+    ggml = repack(weight(T.Q4_K, 32, 256, rng), T.Q4_K, (32, 256), "ggml")
+    with pytest.raises(ValueError, match="activations"):
+        qgemv_q8(quantize_q8_1(jnp.zeros((1, 512))), ggml, interpret=True)
+
+
+@pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
+@pytest.mark.parametrize("qtype", PACKABLE, ids=lambda t: t.name)
+def test_lowers_to_triton_for_h200(qtype, monkeypatch):
+    """A verified Triton module for sm_90, dp4a as inline PTX, at a decode shape (k/v of the 30B model)."""
+    pw = repack(weight(qtype, 512, 2048, np.random.default_rng(0)), qtype, (512, 2048), "ggml")
+    xa = quantize_q8_1(jnp.zeros((1, 2048)))
+    assert triton_kernels(monkeypatch, lambda x, w: qgemv_q8(x, w), xa, pw) == [(f"qgemv_q8_{qtype.name.lower()}", 90, True)]
+
+
+@pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
+def test_moe_lowers_to_triton_for_h200(monkeypatch):
+    rng = np.random.default_rng(0)
+    pw = repack(np.stack([weight(T.Q6_K, 2048, 768, rng) for _ in range(4)]), T.Q6_K, (4, 2048, 768), "ggml")
+    xa = quantize_q8_1(jnp.zeros((8, 768)))
+    experts = jax.ShapeDtypeStruct((8,), jnp.int32)
+    assert triton_kernels(monkeypatch, lambda x, w, e: moe_gemv_q8(x, w, e), xa, pw, experts) == [
+        ("moe_gemv_q8_q6_k", 90, True)]
