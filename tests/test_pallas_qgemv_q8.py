@@ -109,3 +109,51 @@ def test_moe_lowers_to_triton_for_h200(monkeypatch):
     experts = jax.ShapeDtypeStruct((8,), jnp.int32)
     assert triton_kernels(monkeypatch, lambda x, w, e: moe_gemv_q8(x, w, e), xa, pw, experts) == [
         ("moe_gemv_q8_q6_k", 90, True)]
+
+
+def test_many_in_one_launch():
+    # q, k and v of a layer (two formats, three heights) in one launch: each within its own bound
+    from bloomery_jax.pallas.qgemv_q8 import qgemv_q8_many
+
+    rng = np.random.default_rng(61)
+    shapes = [(T.Q4_K, 64), (T.Q4_K, 32), (T.Q6_K, 32)]
+    raws = [weight(q, n, 512, rng) for q, n in shapes]
+    ws = tuple(repack(r, q, (n, 512), "ggml") for r, (q, n) in zip(raws, shapes))
+    xa = quantize_q8_1(jnp.asarray(rng.standard_normal((2, 512)), jnp.float32))
+    ys = qgemv_q8_many(xa, ws, interpret=True)
+    assert [y.shape for y in ys] == [(2, 64), (2, 32), (2, 32)]
+    cfg = GemvConfig(split_k=8)  # the largest split the launch may take: a bound for any
+    for y, w, raw, (q, n) in zip(ys, ws, raws, shapes):
+        w64 = np.asarray(dequantize(raw, q, (n, 512)), np.float64)
+        assert ratios(y, xa, w64, np.asarray(scale_magnitudes(w), np.float64), q, 512, cfg).max() <= 1.0
+
+
+def test_moe_many_in_one_launch():
+    from bloomery_jax.pallas.qgemv_q8 import moe_gemv_q8_many
+
+    rng = np.random.default_rng(62)
+    e = 4
+    raws = [np.stack([weight(q, 32, 512, rng) for _ in range(e)]) for q in (T.Q4_K, T.Q5_K)]
+    ws = tuple(repack(r, q, (e, 32, 512), "ggml") for r, q in zip(raws, (T.Q4_K, T.Q5_K)))
+    experts = jnp.asarray(rng.integers(0, e, 5), jnp.int32)
+    xa = quantize_q8_1(jnp.asarray(rng.standard_normal((5, 512)), jnp.float32))
+    ex = np.asarray(experts)
+    cfg = GemvConfig(split_k=8)
+    for y, w, raw, q in zip(moe_gemv_q8_many(xa, ws, experts, interpret=True), ws, raws, (T.Q4_K, T.Q5_K)):
+        w64 = np.asarray(dequantize(raw, q, (e, 32, 512)), np.float64)
+        assert ratios(y, xa, w64[ex], np.asarray(scale_magnitudes(w), np.float64)[ex], q, 512, cfg).max() <= 1.0
+
+
+@pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
+def test_many_lowers_to_triton_for_h200(monkeypatch):
+    from bloomery_jax.pallas.qgemv_q8 import moe_gemv_q8_many, qgemv_q8_many
+
+    rng = np.random.default_rng(0)
+    ws = tuple(repack(weight(q, n, 2048, rng), q, (n, 2048), "ggml") for q, n in [(T.Q4_K, 4096), (T.Q4_K, 512), (T.Q6_K, 512)])
+    assert triton_kernels(monkeypatch, lambda x, ws: qgemv_q8_many(x, ws), quantize_q8_1(jnp.zeros((1, 2048))), ws) == [
+        ("qgemv_q8_many", 90, True)]
+    gu = tuple(repack(np.stack([weight(T.Q4_K, 768, 2048, rng) for _ in range(2)]), T.Q4_K, (2, 768, 2048), "ggml")
+               for _ in range(2))
+    experts = jax.ShapeDtypeStruct((8,), jnp.int32)
+    assert triton_kernels(monkeypatch, lambda x, ws, e: moe_gemv_q8_many(x, ws, e), quantize_q8_1(jnp.zeros((8, 2048))),
+                          gu, experts) == [("moe_gemv_q8_many", 90, True)]

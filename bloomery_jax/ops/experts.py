@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from ..pallas.moe_gemm import moe_gemm, pick_gemm_config, plan_tiles
 from ..pallas.moe_gemv import moe_gemv, moe_gemv_many
-from ..pallas.qgemv_q8 import moe_gemv_q8
+from ..pallas.qgemv_q8 import moe_gemv_q8, moe_gemv_q8_many
 from ..quant.repack import PackedWeight, repack_on_device
 from .actquant import quantize_q8_1, round_activations
 from .qmatmul import as_f32, interpret_kernels, weight_qtype
@@ -125,7 +125,7 @@ def _moe_swiglu_gemv(x, experts, weights, gate, up, down, act_rounding):
     x = x.astype(jnp.float32)
     if act_rounding == "ggml-cuda" and gate.layout == "ggml":  # integer dot products on Q8_1 rows
         xa = jax.tree.map(lambda a: a[tok], quantize_q8_1(x))  # each token's blocks, once per pair
-        h = swiglu(moe_gemv_q8(xa, gate, flat, interpret=interpret), moe_gemv_q8(xa, up, flat, interpret=interpret))
+        h = swiglu(*moe_gemv_q8_many(xa, (gate, up), flat, interpret=interpret))  # [P, F]
         y = moe_gemv_q8(quantize_q8_1(h), down, flat, interpret=interpret)  # [P, D]
         return _weighted_sum(y.reshape(N, k, -1), weights)
     xg = round_activations(x, weight_qtype(gate), act_rounding)[tok]  # [P, D]

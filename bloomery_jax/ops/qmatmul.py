@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from ..pallas.qgemv import qgemv, qgemv_many
-from ..pallas.qgemv_q8 import qgemv_q8
+from ..pallas.qgemv_q8 import qgemv_q8, qgemv_q8_many
 from ..quant import QTensor, dequantize
 from ..quant.repack import PackedWeight, dequantize_packed
 from .actquant import quantize_q8_1, round_activations
@@ -77,10 +77,10 @@ def qmatmul_many(x: jax.Array, ws, act_rounding: str = "none") -> tuple:
     """
     rows = x.reshape(-1, x.shape[-1])  # [R, K]
     if rows.shape[0] <= GEMV_MAX_ROWS and all(_takes_q8(w, act_rounding) for w in ws):  # one rounding for all
-        xa = quantize_q8_1(rows)
-        return tuple(qgemv_q8(xa, w, interpret=interpret_kernels()).reshape(*x.shape[:-1], w.shape[0]) for w in ws)
+        ys = qgemv_q8_many(quantize_q8_1(rows), tuple(ws), interpret=interpret_kernels())
+        return tuple(y.reshape(*x.shape[:-1], y.shape[-1]) for y in ys)
     if (act_rounding == "none" and rows.shape[0] <= GEMV_MAX_ROWS
-            and all(isinstance(w, PackedWeight) and w.layout == "planes" for w in ws)):
+            and all(isinstance(w, PackedWeight) and w.layout in ("planes", "ggml") for w in ws)):
         ys = qgemv_many(rows.astype(jnp.float32), tuple(ws), interpret=interpret_kernels())
         return tuple(y.reshape(*x.shape[:-1], y.shape[-1]) for y in ys)
     return tuple(qmatmul(x, w, act_rounding) for w in ws)

@@ -431,19 +431,20 @@ class Many:
         return tuple(y[..., a:b] for a, b in zip(bounds[:-1], bounds[1:]))
 
 
-def many_operands(ws, k: int, lead: tuple, name: str) -> Many:
+def many_operands(ws, k: int, lead: tuple, name: str, tuning: str | None = None) -> Many:
     """Check and lay out weights for one launch: each a planes- or ggml-layout (layouts may mix)
     Q8_0/Q4_K/Q5_K/Q6_K PackedWeight of shape ``[*lead, N_j, K]`` (2-D dense weights: lead ``()``;
     stacked experts: ``(E,)``). The tile height is the largest power of two dividing every N, at most the
     smallest of the weights' tuned ``block_n``, the split the largest divisor of every weight's
-    chunk count at most their smallest ``split_k``; loop steps are each weight's own."""
+    chunk count at most their smallest ``split_k``; loop steps are each weight's own. ``tuning``
+    names the ``pick_config`` table to read (default: the weights' own layouts')."""
     for w in ws:
         if (format_of(w.layout, w.qtype) is None or len(w.shape) != len(lead) + 2
                 or tuple(w.shape[:-2]) != lead or w.shape[-1] != k):
             raise ValueError(f"{name}: needs planes-layout or ggml-layout Q8_0/Q4_K/Q5_K/Q6_K weights "
                              f"[{', '.join(map(str, lead + ('N', k)))}], "
                              f"got {T(w.qtype).name} {w.shape} {w.layout}")
-    cfgs = [pick_config(tuning_layout(w.layout), T(w.qtype).name, *w.shape[-2:]) for w in ws]
+    cfgs = [pick_config(tuning or tuning_layout(w.layout), T(w.qtype).name, *w.shape[-2:]) for w in ws]
     bn = min(cfg.block_n for cfg in cfgs)
     while any(w.shape[-2] % bn for w in ws):
         bn //= 2

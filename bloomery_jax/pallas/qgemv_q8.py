@@ -41,14 +41,14 @@ from jax.experimental.pallas import triton as plgpu
 
 from ..ops.actquant import Q8Act
 from ..quant.repack import PackedWeight, k4_scale_min
-from .qgemv import add_partials
+from .qgemv import add_partials, many_operands
 from .qgemv_tuned import GemvConfig, pick_config
 
 F32 = jnp.float32
 LOW = 0x0F0F0F0F  # the low nibble of each byte
 I2F_MAGIC = 0x4B400000  # f32 bits of 1.5 * 2^23: adding an int below 2^22 in magnitude stays exact
 I2F_OFFSET = 12582912.0  # 1.5 * 2^23
-__all__ = ["moe_gemv_q8", "qgemv_q8", "rounding_depth"]
+__all__ = ["moe_gemv_q8", "moe_gemv_q8_many", "qgemv_q8", "qgemv_q8_many", "rounding_depth"]
 
 
 def _dp4a(a: jax.Array, b: jax.Array, interpret: bool) -> jax.Array:
@@ -196,10 +196,11 @@ def _launch(qtype, n: int, k: int, cfg: GemvConfig) -> tuple[int, int, int]:
     return bn, chunks // split, split
 
 
-def _body(xs: _Rows, w_refs, store, *, qtype, bn: int, per_program: int, interpret: bool):
-    """One program: its chunks, then ``store(r, y)`` for each row r of x."""
+def _body(xs: _Rows, w_refs, store, *, qtype, bn: int, per_program: int, interpret: bool, share=None):
+    """One program: its chunks (those of split-K share ``share``, default ``pl.program_id(0)``),
+    then ``store(r, y)`` for each row r of x."""
     body = functools.partial(CHUNKS[qtype][1], bn=bn, interpret=interpret)
-    first = pl.program_id(0) * per_program
+    first = (pl.program_id(0) if share is None else share) * per_program
 
     def step(i, carry):
         accs, macc = carry
@@ -321,3 +322,92 @@ def moe_gemv_q8(x: Q8Act, w: PackedWeight, experts: jax.Array, *, config: GemvCo
         interpret=interpret,
         name=f"moe_gemv_q8_{qtype.name.lower()}",
     )(experts.astype(jnp.int32), x.qs, x.d, x.sums, *(a for a, _ in _fields(w))))
+
+
+def _many_bodies(xs: _Rows, w_refs, store, tile, *, parts, qtypes, bn: int, interpret: bool, view=lambda r: r):
+    """Program ``tile`` of a launch over several weights: the body of the weight whose tiles
+    cover it (``pl.when``; the split-K share is read outside the branches, which the
+    interpreter needs)."""
+    share = pl.program_id(0)
+    at = 0
+    for part, qtype in zip(parts, qtypes):
+        refs = [view(r) for r in w_refs[at:at + part.n_fields]]
+
+        @pl.when((tile >= part.start) & (tile < part.start + part.tiles))
+        def _(refs=refs, part=part, qtype=qtype):
+            _body(xs, refs, store, qtype=qtype, bn=bn, per_program=part.steps * part.per_step, interpret=interpret,
+                  share=share)
+
+        at += part.n_fields
+
+
+def _q8_many(ws, k: int, lead: tuple, name: str):
+    for w in ws:
+        _check(w, len(lead) + 2, name)
+    return many_operands(ws, k, lead, name, tuning="q8"), [T(w.qtype) for w in ws]
+
+
+def _dense_many_kernel(xq_ref, xd_ref, xs_ref, *refs, parts, qtypes, bn: int, interpret: bool):
+    o_ref = refs[-1]  # [1, B, BN]
+
+    def store(r, y):
+        o_ref[0, r, :] = y
+
+    _many_bodies(_Rows(xq_ref, xd_ref, xs_ref, xq_ref.shape[0]), refs[:-1], store, pl.program_id(1), parts=parts,
+                 qtypes=qtypes, bn=bn, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def qgemv_q8_many(x: Q8Act, ws: tuple, *, interpret: bool = False) -> tuple:
+    """``tuple(qgemv_q8(x, w) for w in ws)`` in one launch (q, k and v of a layer: decode is
+    bound by launches). Per output the sums are :func:`qgemv_q8`'s; the same bound holds with
+    the launch's split (``many_operands``, tuned from the "q8" table)."""
+    rows, k = x.qs.shape[0], x.qs.shape[1] * 4
+    m, qtypes = _q8_many(ws, k, (), "qgemv_q8_many")
+    y = pl.pallas_call(
+        functools.partial(_dense_many_kernel, parts=m.parts, qtypes=qtypes, bn=m.bn, interpret=interpret),
+        out_shape=jax.ShapeDtypeStruct((m.split_k, rows, m.tiles * m.bn), F32),
+        grid=(m.split_k, m.tiles),
+        in_specs=[*_x_specs(x, _AllRows(rows)), *m.specs],
+        out_specs=pl.BlockSpec((1, rows, m.bn), lambda s, i: (s, 0, i)),
+        compiler_params=m.compiler_params,
+        interpret=interpret,
+        name="qgemv_q8_many",
+    )(x.qs, x.d, x.sums, *m.arrays)
+    return m.split(y)
+
+
+def _moe_many_kernel(e_ref, xq_ref, xd_ref, xs_ref, *refs, parts, qtypes, n_experts: int, bn: int, interpret: bool):
+    from .moe_gemv import _ExpertView
+
+    e = jnp.clip(e_ref[0], 0, n_experts - 1)
+    o_ref = refs[-1]  # [1, 1, BN]
+
+    def store(r, y):
+        o_ref[0, 0, :] = y
+
+    _many_bodies(_Rows(xq_ref, xd_ref, xs_ref, 1), refs[:-1], store, pl.program_id(2), parts=parts, qtypes=qtypes,
+                 bn=bn, interpret=interpret, view=lambda r: _ExpertView(r, e))
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def moe_gemv_q8_many(x: Q8Act, ws: tuple, experts: jax.Array, *, interpret: bool = False) -> tuple:
+    """``tuple(moe_gemv_q8(x, w, experts) for w in ws)`` in one launch (gate and up of a layer)."""
+    n_exp, _, k = ws[0].shape
+    if x.qs.ndim != 2 or x.qs.shape[1] * 4 != k or experts.shape != (x.qs.shape[0],):
+        raise ValueError(f"moe_gemv_q8_many: x must hold [P, {k}] activations and experts [P], got quants "
+                         f"{x.qs.shape} and experts {experts.shape}")
+    m, qtypes = _q8_many(ws, k, (n_exp,), "moe_gemv_q8_many")
+    n_pairs = x.qs.shape[0]
+    y = pl.pallas_call(
+        functools.partial(_moe_many_kernel, parts=m.parts, qtypes=qtypes, n_experts=n_exp, bn=m.bn,
+                          interpret=interpret),
+        out_shape=jax.ShapeDtypeStruct((m.split_k, n_pairs, m.tiles * m.bn), F32),
+        grid=(m.split_k, n_pairs, m.tiles),
+        in_specs=[pl.BlockSpec((1,), lambda s, p, i: (p,)), *_x_specs(x, _PairRow()), *m.specs],
+        out_specs=pl.BlockSpec((1, 1, m.bn), lambda s, p, i: (s, p, i)),
+        compiler_params=m.compiler_params,
+        interpret=interpret,
+        name="moe_gemv_q8_many",
+    )(experts.astype(jnp.int32), x.qs, x.d, x.sums, *m.arrays)
+    return m.split(y)
