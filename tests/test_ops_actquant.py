@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import pathlib
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -88,6 +89,9 @@ def test_q8_1_matches_llamacpp_cuda_rounding():
     np.testing.assert_array_equal(np.asarray(got.d), d)
     np.testing.assert_array_equal(np.asarray(got.sums), q.reshape(3, -1, 2, 16).sum(-1).reshape(3, -1))
     np.testing.assert_array_equal(np.asarray(got.values()), (q * d[..., None]).reshape(3, 256))
+    # jitted inside a larger computation too (XLA may not rewrite the division: ops/actquant.py)
+    jitted = jax.jit(lambda v: quantize_q8_1(v * 1.0).qs)(jnp.asarray(x))
+    np.testing.assert_array_equal(np.asarray(jitted), np.asarray(got.qs))
     # ggml-cuda rounding of a quantized weight's input is these values; float weights see x
     np.testing.assert_array_equal(np.asarray(round_activations(jnp.asarray(x), T.Q4_K, "ggml-cuda")),
                                   np.asarray(got.values()))

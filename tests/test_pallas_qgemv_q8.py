@@ -5,7 +5,8 @@ Tolerance (``qgemv_q8.rounding_depth``): the truth is the float64 product of the
 activations (``Q8Act.values()``, llama.cpp's CUDA rounding, tested in test_ops_actquant.py)
 and the file's weights; every integer partial sum is exact, and each term then passes through
 at most ``depth`` float32 roundings, so
-    |y - y_f64| <= depth * 2^-24 * sum_k |xv_k| m_k,   m = |s q| + |min| (repack.scale_magnitudes),
+    |y - y_f64| <= depth * 2^-24 * sum_k |xv_k| m_k,
+m = |s q| + |min| (Q6_K: |s q| + |32 s|, q the stored quant; repack.scale_magnitudes(stored_quants=True)),
 with a 1% margin for second-order terms.
 """
 
@@ -48,7 +49,7 @@ def test_matches_reference(qtype):
     y = qgemv_q8(xa, pw, config=CFG, interpret=True)
     assert y.shape == (2, n) and y.dtype == jnp.float32
     w64 = np.asarray(dequantize(raw, qtype, (n, k)), np.float64)
-    mag = np.asarray(scale_magnitudes(pw), np.float64)
+    mag = np.asarray(scale_magnitudes(pw, stored_quants=True), np.float64)
     assert ratios(y, xa, w64, mag, qtype, k, CFG).max() <= 1.0
     # the same kernel on another row order of the weight is far outside the bound (guards the test)
     assert ratios(y, xa, w64[::-1], mag[::-1], qtype, k, CFG).max() > 1.0
@@ -62,7 +63,7 @@ def test_one_row_no_split():
     xa = quantize_q8_1(jnp.asarray(rng.standard_normal((1, 256)), jnp.float32))
     y = qgemv_q8(xa, pw, config=cfg, interpret=True)
     w64 = np.asarray(dequantize(raw, T.Q6_K, (64, 256)), np.float64)
-    assert ratios(y, xa, w64, np.asarray(scale_magnitudes(pw), np.float64), T.Q6_K, 256, cfg).max() <= 1.0
+    assert ratios(y, xa, w64, np.asarray(scale_magnitudes(pw, stored_quants=True), np.float64), T.Q6_K, 256, cfg).max() <= 1.0
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
@@ -75,7 +76,7 @@ def test_moe_matches_reference(qtype):
     xa = quantize_q8_1(jnp.asarray(rng.standard_normal((6, k)), jnp.float32))
     y = moe_gemv_q8(xa, pw, experts, config=CFG, interpret=True)
     w64 = np.asarray(dequantize(raw, qtype, (e, n, k)), np.float64)
-    mag = np.asarray(scale_magnitudes(pw), np.float64)
+    mag = np.asarray(scale_magnitudes(pw, stored_quants=True), np.float64)
     ex = np.asarray(experts)
     assert ratios(y, xa, w64[ex], mag[ex], qtype, k, CFG).max() <= 1.0
     assert ratios(y, xa, w64[(ex + 1) % e], mag[ex], qtype, k, CFG).max() > 1.0  # a wrong expert fails
@@ -125,7 +126,7 @@ def test_many_in_one_launch():
     cfg = GemvConfig(split_k=8)  # the largest split the launch may take: a bound for any
     for y, w, raw, (q, n) in zip(ys, ws, raws, shapes):
         w64 = np.asarray(dequantize(raw, q, (n, 512)), np.float64)
-        assert ratios(y, xa, w64, np.asarray(scale_magnitudes(w), np.float64), q, 512, cfg).max() <= 1.0
+        assert ratios(y, xa, w64, np.asarray(scale_magnitudes(w, stored_quants=True), np.float64), q, 512, cfg).max() <= 1.0
 
 
 def test_moe_many_in_one_launch():
@@ -141,7 +142,7 @@ def test_moe_many_in_one_launch():
     cfg = GemvConfig(split_k=8)
     for y, w, raw, q in zip(moe_gemv_q8_many(xa, ws, experts, interpret=True), ws, raws, (T.Q4_K, T.Q5_K)):
         w64 = np.asarray(dequantize(raw, q, (e, 32, 512)), np.float64)
-        assert ratios(y, xa, w64[ex], np.asarray(scale_magnitudes(w), np.float64)[ex], q, 512, cfg).max() <= 1.0
+        assert ratios(y, xa, w64[ex], np.asarray(scale_magnitudes(w, stored_quants=True), np.float64)[ex], q, 512, cfg).max() <= 1.0
 
 
 @pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")

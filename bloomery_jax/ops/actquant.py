@@ -94,7 +94,9 @@ def quantize_q8_1(x: jax.Array) -> Q8Act:
     ``quantize_q8_1``."""
     b = _blocks(x.astype(jnp.float32), 32)  # [..., K/32, 32]
     amax = jnp.max(jnp.abs(b), axis=-1, keepdims=True)
-    d = amax / jnp.float32(127.0)
+    # the barrier keeps XLA from rewriting x / (amax / 127) into (x * 127) / amax, which rounds
+    # differently (as the rope angles, ops/rope.py): llama.cpp divides by the rounded d
+    d = jax.lax.optimization_barrier(amax / jnp.float32(127.0))
     q = jnp.where(amax == 0, 0.0, _round_half_away(b / jnp.where(amax == 0, 1.0, d))).astype(jnp.int32)
     u8 = (q & 0xFF).reshape(*q.shape[:-2], -1, 4)  # [..., K/4, 4] bytes
     qs = jnp.sum(u8 << jnp.array([0, 8, 16, 24], jnp.int32), axis=-1, dtype=jnp.int32)  # disjoint bytes: sum == OR

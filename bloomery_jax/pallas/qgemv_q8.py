@@ -21,7 +21,8 @@ for every row b of x takes ``dp4a`` against x's matching words, giving integer p
 Exactness: against the float64 product of the rounded activations (``Q8Act.values()``) and the
 file's weights, every integer sum is exact and each term passes through at most
 ``rounding_depth`` float32 roundings, so |y - exact| <= depth * 2^-24 * sum_k |xv_k| m_k
-(m from ``repack.scale_magnitudes``). The activation rounding itself is llama.cpp's, not an error
+(m = ``repack.scale_magnitudes(w, stored_quants=True)``: the terms are the stored quants' and
+the offsets', which for Q6_K are larger than |w|). The activation rounding itself is llama.cpp's, not an error
 of this kernel: compare against ``round_activations(x, qtype, "ggml-cuda")``.
 
 ``dp4a`` is inline PTX, which the Pallas interpreter cannot run: off the GPU an exact jnp

@@ -558,14 +558,16 @@ def _dequantize_rows(pw: PackedWeight) -> jax.Array:
     return (dl[..., None] * _f32(q) - ml[..., None]).reshape(pw.shape)
 
 
-def scale_magnitudes(pw: PackedWeight) -> jax.Array:
+def scale_magnitudes(pw: PackedWeight, *, stored_quants: bool = False) -> jax.Array:
     """float32 ``pw.shape``: |scale * q| + |min| of every element (|w| for formats without a min).
 
     The rows kernel multiplies sub-block sums by the scale and subtracts min * sum(x), so its
     rounding error scales with these magnitudes, not with |w| (they differ where s q ~ m).
+    ``stored_quants``: Q6_K too as |s q| + |32 s|, q its stored quant (0..63, value q - 32), for
+    kernels that multiply the stored quants and take the offset back separately (qgemv_q8).
     """
     w = dequantize_packed(pw)
-    if T(pw.qtype) not in (T.Q4_K, T.Q5_K):
+    if T(pw.qtype) not in (T.Q4_K, T.Q5_K) + ((T.Q6_K,) if stored_quants else ()):
         return jnp.abs(w)
     mins = dataclasses.replace(pw, qs=jnp.zeros_like(pw.qs), qh=None if pw.qh is None else jnp.zeros_like(pw.qh))
     m = -dequantize_packed(mins)  # q = 0 leaves -min
