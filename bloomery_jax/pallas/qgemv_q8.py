@@ -42,7 +42,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from ..ops.actquant import Q8Act
 from ..quant.repack import PackedWeight, k4_scale_min
-from .qgemv import add_partials, many_operands
+from .moe_gemv import _ExpertView, _operands
+from .qgemv import _largest_divisor, _weight_operands, add_partials, many_operands
 from .qgemv_tuned import GemvConfig, pick_config
 
 F32 = jnp.float32
@@ -169,16 +170,6 @@ def rounding_depth(qtype, k: int, config: GemvConfig | None) -> int:
     return k // 16 + 16 + (config.split_k if config else 1)
 
 
-def _fields(w: PackedWeight) -> list[tuple[jax.Array, bool]]:
-    """The ggml-layout arrays in kernel order, each with ``rows_last`` (scales ``[..., chunks, fields, N]``)."""
-    qtype = T(w.qtype)
-    if qtype == T.Q8_0:
-        return [(w.qs, False), (w.d, True)]
-    if qtype in (T.Q4_K, T.Q5_K):
-        return [(w.qs, False), (w.sc, True), (w.d, True)] + ([(w.qh, False)] if qtype == T.Q5_K else [])
-    return [(w.qs, False), (w.qh, False), (w.sc, True), (w.d, True)]
-
-
 def _check(w: PackedWeight, dims: int, name: str) -> T:
     qtype = T(w.qtype)
     if qtype not in CHUNKS or len(w.shape) != dims or w.layout != "ggml":
@@ -189,8 +180,6 @@ def _check(w: PackedWeight, dims: int, name: str) -> T:
 
 def _launch(qtype, n: int, k: int, cfg: GemvConfig) -> tuple[int, int, int]:
     """(rows per program, chunks per program, split) from ``cfg``, shrunk to divisors."""
-    from .qgemv import _largest_divisor
-
     chunks = k // CHUNKS[qtype][0]
     bn = _largest_divisor(n, cfg.block_n, pow2=True)
     split = _largest_divisor(chunks, cfg.split_k, pow2=False)
@@ -223,25 +212,13 @@ def _dense_kernel(xq_ref, xd_ref, xs_ref, *refs, qtype, per_program: int, interp
           per_program=per_program, interpret=interpret)
 
 
-def _x_specs(x: Q8Act, row):
-    """BlockSpecs of the three x arrays: ``row(*grid)`` -> the first row and how many."""
-    return [pl.BlockSpec((row.n, a.shape[1]), lambda *g, a=a: (row.index(*g), 0)) for a in (x.qs, x.d, x.sums)]
+def _x_specs(x: Q8Act, n_rows: int, first_row):
+    """BlockSpecs of the three x arrays: ``n_rows`` rows from ``first_row(*grid index)`` on."""
+    return [pl.BlockSpec((n_rows, a.shape[1]), lambda *g: (first_row(*g), 0)) for a in (x.qs, x.d, x.sums)]
 
 
-@dataclasses.dataclass(frozen=True)
-class _AllRows:
-    n: int
-
-    def index(self, *g):
-        return 0
-
-
-@dataclasses.dataclass(frozen=True)
-class _PairRow:
-    n: int = 1
-
-    def index(self, s, p, i):
-        return p
+_ALL_ROWS = lambda *g: 0  # dense: every program reads all B rows  # noqa: E731
+_PAIR_ROW = lambda s, p, i: p  # MoE: program (s, p, i) reads pair p's row  # noqa: E731
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
@@ -263,24 +240,21 @@ def qgemv_q8(x: Q8Act, w: PackedWeight, *, config: GemvConfig | None = None, int
         raise ValueError(f"qgemv_q8: x must hold [B<=8, {k}] activations, got quants {x.qs.shape}")
     cfg = config or pick_config("q8", qtype.name, n, k)
     bn, per_program, split = _launch(qtype, n, k, cfg)
-    specs = [pl.BlockSpec((*a.shape[:-1], bn), lambda s, i, nd=a.ndim: (0,) * (nd - 1) + (i,)) if last
-             else pl.BlockSpec((bn, a.shape[1]), lambda s, i: (i, 0)) for a, last in _fields(w)]
+    arrays, specs = _weight_operands(w, bn)  # the planes kernel's fields and specs: same order, same grid
     rows = x.qs.shape[0]
     return add_partials(pl.pallas_call(
         functools.partial(_dense_kernel, qtype=qtype, per_program=per_program, interpret=interpret),
         out_shape=jax.ShapeDtypeStruct((split, rows, n), F32),
         grid=(split, n // bn),
-        in_specs=[*_x_specs(x, _AllRows(rows)), *specs],
+        in_specs=[*_x_specs(x, rows, _ALL_ROWS), *specs],
         out_specs=pl.BlockSpec((1, rows, bn), lambda s, i: (s, 0, i)),
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
         name=f"qgemv_q8_{qtype.name.lower()}",
-    )(x.qs, x.d, x.sums, *(a for a, _ in _fields(w))))
+    )(x.qs, x.d, x.sums, *arrays))
 
 
 def _moe_kernel(e_ref, xq_ref, xd_ref, xs_ref, *refs, qtype, n_experts: int, per_program: int, interpret: bool):
-    from .moe_gemv import _ExpertView
-
     *w_refs, o_ref = refs  # o_ref [1, 1, BN]
     e = jnp.clip(e_ref[0], 0, n_experts - 1)  # a bad index must not read out of bounds
 
@@ -310,19 +284,18 @@ def moe_gemv_q8(x: Q8Act, w: PackedWeight, experts: jax.Array, *, config: GemvCo
                          f"{x.qs.shape} and experts {experts.shape}")
     cfg = config or pick_config("q8", qtype.name, n, k)
     bn, per_program, split = _launch(qtype, n, k, cfg)
-    specs = [pl.BlockSpec((*a.shape[:-1], bn), lambda s, p, i, nd=a.ndim: (0,) * (nd - 1) + (i,)) if last
-             else pl.BlockSpec((a.shape[0], bn, a.shape[2]), lambda s, p, i: (0, i, 0)) for a, last in _fields(w)]
+    arrays, specs = _operands(w, bn)  # moe_gemv's: every expert, the row tile on the last grid axis
     n_pairs = x.qs.shape[0]
     return add_partials(pl.pallas_call(
         functools.partial(_moe_kernel, qtype=qtype, n_experts=n_exp, per_program=per_program, interpret=interpret),
         out_shape=jax.ShapeDtypeStruct((split, n_pairs, n), F32),
         grid=(split, n_pairs, n // bn),
-        in_specs=[pl.BlockSpec((1,), lambda s, p, i: (p,)), *_x_specs(x, _PairRow()), *specs],
+        in_specs=[pl.BlockSpec((1,), lambda s, p, i: (p,)), *_x_specs(x, 1, _PAIR_ROW), *specs],
         out_specs=pl.BlockSpec((1, 1, bn), lambda s, p, i: (s, p, i)),
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
         name=f"moe_gemv_q8_{qtype.name.lower()}",
-    )(experts.astype(jnp.int32), x.qs, x.d, x.sums, *(a for a, _ in _fields(w))))
+    )(experts.astype(jnp.int32), x.qs, x.d, x.sums, *arrays))
 
 
 def _many_bodies(xs: _Rows, w_refs, store, tile, *, parts, qtypes, bn: int, interpret: bool, view=lambda r: r):
@@ -369,7 +342,7 @@ def qgemv_q8_many(x: Q8Act, ws: tuple, *, interpret: bool = False) -> tuple:
         functools.partial(_dense_many_kernel, parts=m.parts, qtypes=qtypes, bn=m.bn, interpret=interpret),
         out_shape=jax.ShapeDtypeStruct((m.split_k, rows, m.tiles * m.bn), F32),
         grid=(m.split_k, m.tiles),
-        in_specs=[*_x_specs(x, _AllRows(rows)), *m.specs],
+        in_specs=[*_x_specs(x, rows, _ALL_ROWS), *m.specs],
         out_specs=pl.BlockSpec((1, rows, m.bn), lambda s, i: (s, 0, i)),
         compiler_params=m.compiler_params,
         interpret=interpret,
@@ -379,8 +352,6 @@ def qgemv_q8_many(x: Q8Act, ws: tuple, *, interpret: bool = False) -> tuple:
 
 
 def _moe_many_kernel(e_ref, xq_ref, xd_ref, xs_ref, *refs, parts, qtypes, n_experts: int, bn: int, interpret: bool):
-    from .moe_gemv import _ExpertView
-
     e = jnp.clip(e_ref[0], 0, n_experts - 1)
     o_ref = refs[-1]  # [1, 1, BN]
 
@@ -405,7 +376,7 @@ def moe_gemv_q8_many(x: Q8Act, ws: tuple, experts: jax.Array, *, interpret: bool
                           interpret=interpret),
         out_shape=jax.ShapeDtypeStruct((m.split_k, n_pairs, m.tiles * m.bn), F32),
         grid=(m.split_k, n_pairs, m.tiles),
-        in_specs=[pl.BlockSpec((1,), lambda s, p, i: (p,)), *_x_specs(x, _PairRow()), *m.specs],
+        in_specs=[pl.BlockSpec((1,), lambda s, p, i: (p,)), *_x_specs(x, 1, _PAIR_ROW), *m.specs],
         out_specs=pl.BlockSpec((1, 1, m.bn), lambda s, p, i: (s, p, i)),
         compiler_params=m.compiler_params,
         interpret=interpret,
