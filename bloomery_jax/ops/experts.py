@@ -31,7 +31,7 @@ from ..pallas.moe_gemv import moe_gemv, moe_gemv_many
 from ..pallas.qgemv_q8 import moe_gemv_q8, moe_gemv_q8_many
 from ..quant.repack import PackedWeight, repack_on_device
 from .actquant import quantize_q8_1, round_activations
-from .qmatmul import as_f32, interpret_kernels, weight_qtype
+from .qmatmul import as_f32, interpret_kernels, takes_q8, weight_qtype
 
 MOE_GEMV_MAX_PAIRS = 64
 STREAM_MIN_TOKENS = 32  # steps of this many tokens stream a layer's host experts to the card (prefill)
@@ -123,7 +123,7 @@ def _moe_swiglu_gemv(x, experts, weights, gate, up, down, act_rounding):
     flat = experts.reshape(N * k)  # [P] pairs, token-major
     tok = jnp.arange(N * k) // k  # [P] token of each pair
     x = x.astype(jnp.float32)
-    if act_rounding == "ggml-cuda" and gate.layout == "ggml":  # integer dot products on Q8_1 rows
+    if takes_q8(gate, act_rounding):  # integer dot products on Q8_1 rows
         xa = jax.tree.map(lambda a: a[tok], quantize_q8_1(x))  # each token's blocks, once per pair
         h = swiglu(*moe_gemv_q8_many(xa, (gate, up), flat, interpret=interpret))  # [P, F]
         y = moe_gemv_q8(quantize_q8_1(h), down, flat, interpret=interpret)  # [P, D]

@@ -56,7 +56,7 @@ def qmatmul(x: jax.Array, w, act_rounding: str = "none") -> jax.Array:
     Returns:
       float32 ``[..., N]``.
     """
-    if _takes_q8(w, act_rounding) and x.size // x.shape[-1] <= GEMV_MAX_ROWS:
+    if takes_q8(w, act_rounding) and x.size // x.shape[-1] <= GEMV_MAX_ROWS:
         rows = quantize_q8_1(x.reshape(-1, x.shape[-1]))  # [R, K] as Q8_1 blocks
         return qgemv_q8(rows, w, interpret=interpret_kernels()).reshape(*x.shape[:-1], w.shape[0])
     x = round_activations(x.astype(jnp.float32), weight_qtype(w), act_rounding)
@@ -76,7 +76,7 @@ def qmatmul_many(x: jax.Array, ws, act_rounding: str = "none") -> tuple:
     one ``qmatmul`` per weight.
     """
     rows = x.reshape(-1, x.shape[-1])  # [R, K]
-    if rows.shape[0] <= GEMV_MAX_ROWS and all(_takes_q8(w, act_rounding) for w in ws):  # one rounding for all
+    if rows.shape[0] <= GEMV_MAX_ROWS and all(takes_q8(w, act_rounding) for w in ws):  # one rounding for all
         ys = qgemv_q8_many(quantize_q8_1(rows), tuple(ws), interpret=interpret_kernels())
         return tuple(y.reshape(*x.shape[:-1], y.shape[-1]) for y in ys)
     if (act_rounding == "none" and rows.shape[0] <= GEMV_MAX_ROWS
@@ -86,7 +86,7 @@ def qmatmul_many(x: jax.Array, ws, act_rounding: str = "none") -> tuple:
     return tuple(qmatmul(x, w, act_rounding) for w in ws)
 
 
-def _takes_q8(w, act_rounding: str) -> bool:
+def takes_q8(w, act_rounding: str) -> bool:
     """The integer dot-product GEMV serves ``w``: Q8_1 activations and a ggml-layout weight."""
     return act_rounding == "ggml-cuda" and isinstance(w, PackedWeight) and w.layout == "ggml"
 

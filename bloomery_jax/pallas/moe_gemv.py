@@ -31,8 +31,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ..quant.repack import PackedWeight
-from .qgemv import (F32, _accumulate, _launch, _weight_fields, add_partials, format_of, many_operands, run_parts,
-                    tuning_layout)
+from .qgemv import (F32, _accumulate, _launch, _weight_fields, accumulate_part, add_partials, format_of,
+                    many_operands, run_parts, tuning_layout)
 from .qgemv_tuned import GemvConfig, pick_config
 
 __all__ = ["GemvConfig", "moe_gemv", "moe_gemv_many"]
@@ -52,6 +52,12 @@ class _ExpertView:
         return self.ref[(self.e, *(idx if isinstance(idx, tuple) else (idx,)))]
 
 
+def expert_index(e_ref, n_experts: int):
+    """The pair's expert from its one-element block, clamped into [0, E): a bad index must not
+    read out of bounds."""
+    return jnp.clip(e_ref[0], 0, n_experts - 1)
+
+
 def check_stacked(w: PackedWeight, name: str) -> T:
     """The type of a stacked expert weight the MoE kernels can read ([E, N, K], planes or ggml layout)."""
     qtype = T(w.qtype)
@@ -69,7 +75,7 @@ def _kernel_name(family: str, layout: str, qtype: T) -> str:
 
 def _moe_kernel(e_ref, x_ref, *refs, fmt, n_experts: int, steps: int, per_step: int):
     *w_refs, o_ref = refs  # e_ref [1] int32, x_ref [1, K], w_refs [E, ...] blocks, o_ref [1, 1, BN]
-    e = jnp.clip(e_ref[0], 0, n_experts - 1)  # a bad index must not read out of bounds
+    e = expert_index(e_ref, n_experts)
     views = [_ExpertView(r, e) for r in w_refs]
     (y,) = _accumulate(x_ref, views, fmt=fmt, bn=o_ref.shape[2], nrows=1, steps=steps, per_step=per_step,
                        first=pl.program_id(0) * (steps * per_step))
@@ -130,13 +136,14 @@ def moe_gemv(x: jax.Array, w: PackedWeight, experts: jax.Array, *, config: GemvC
 
 
 def _moe_many_kernel(e_ref, x_ref, *refs, parts, n_experts: int, bn: int):
-    e = jnp.clip(e_ref[0], 0, n_experts - 1)
+    e = expert_index(e_ref, n_experts)
     o_ref = refs[-1]  # [1, 1, BN]
 
     def store(b, y):
         o_ref[0, 0, :] = y
 
-    run_parts(pl.program_id(2), x_ref, refs[:-1], store, parts, bn=bn, nrows=1, view=lambda r: _ExpertView(r, e))
+    run_parts(pl.program_id(2), refs[:-1], parts, accumulate_part(x_ref, store, bn=bn, nrows=1),
+              view=lambda r: _ExpertView(r, e))
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))

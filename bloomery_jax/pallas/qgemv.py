@@ -373,8 +373,9 @@ def qgemv(x: jax.Array, w: PackedWeight, *, config: GemvConfig | None = None,
 
 @dataclasses.dataclass(frozen=True)
 class _Part:
-    """One weight of a launch over several: its format, fields, row tiles and loop steps."""
+    """One weight of a launch over several: its type, format, fields, row tiles and loop steps."""
 
+    qtype: int
     fmt: _Format
     n_fields: int
     tiles: int
@@ -383,11 +384,11 @@ class _Part:
     start: int  # first program (along the tile axis) of this weight
 
 
-def run_parts(i, x_ref, w_refs, store, parts, *, bn: int, nrows: int, view=lambda r: r):
-    """Program i of a launch over several weights: the row tile of the weight whose tiles cover
-    i (one ``pl.when`` per weight, so only that weight's loads run), over its split-K share
-    (``pl.program_id(0)``). ``view`` wraps each weight ref (``moe_gemv`` prefixes the pair's
-    expert); ``store(b, y)`` writes row b of the result."""
+def run_parts(i, w_refs, parts, body, view=lambda r: r):
+    """Program i of a launch over several weights: ``body(part, refs, share)`` for the weight
+    whose row tiles cover i (one ``pl.when`` per weight, so only that weight's loads run), with
+    its refs and the program's split-K share (``pl.program_id(0)``). ``view`` wraps each weight
+    ref (the MoE kernels prefix the pair's expert)."""
     share = pl.program_id(0)  # read outside pl.when: the interpreter cannot read it in a branch
     at = 0
     for part in parts:
@@ -395,12 +396,21 @@ def run_parts(i, x_ref, w_refs, store, parts, *, bn: int, nrows: int, view=lambd
 
         @pl.when((i >= part.start) & (i < part.start + part.tiles))
         def _(refs=refs, part=part):
-            ys = _accumulate(x_ref, refs, fmt=part.fmt, bn=bn, nrows=nrows, steps=part.steps, per_step=part.per_step,
-                             first=share * (part.steps * part.per_step))
-            for b in range(nrows):
-                store(b, ys[b])
+            body(part, refs, share)
 
         at += part.n_fields
+
+
+def accumulate_part(x_ref, store, *, bn: int, nrows: int):
+    """The f32 kernels' ``run_parts`` body: the part's K loop, then ``store(b, y)`` per row b of x."""
+
+    def body(part, refs, share):
+        ys = _accumulate(x_ref, refs, fmt=part.fmt, bn=bn, nrows=nrows, steps=part.steps, per_step=part.per_step,
+                         first=share * (part.steps * part.per_step))
+        for b in range(nrows):
+            store(b, ys[b])
+
+    return body
 
 
 def _many_kernel(x_ref, *refs, parts, nrows: int, bn: int):
@@ -409,7 +419,7 @@ def _many_kernel(x_ref, *refs, parts, nrows: int, bn: int):
     def store(b, y):
         o_ref[0, b, :] = y
 
-    run_parts(pl.program_id(1), x_ref, refs[:-1], store, parts, bn=bn, nrows=nrows)
+    run_parts(pl.program_id(1), refs[:-1], parts, accumulate_part(x_ref, store, bn=bn, nrows=nrows))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -466,7 +476,7 @@ def many_operands(ws, k: int, lead: tuple, name: str, tuning: str | None = None)
             else:  # [N, cols]
                 specs.append(pl.BlockSpec((bn, a.shape[1]), lambda *g, tile=tile: (tile(g), 0)))
             arrays.append(a)
-        parts.append(_Part(fmt, len(fields), tiles, steps, per_step, start))
+        parts.append(_Part(int(w.qtype), fmt, len(fields), tiles, steps, per_step, start))
         start += tiles
     params = plgpu.CompilerParams(num_warps=max(c.num_warps for c in cfgs), num_stages=max(c.num_stages for c in cfgs))
     return Many(bn, tuple(parts), arrays, specs, start, params, split)

@@ -41,9 +41,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ..ops.actquant import Q8Act
-from ..quant.repack import PackedWeight, k4_scale_min
-from .moe_gemv import _ExpertView, _operands
-from .qgemv import _largest_divisor, _weight_operands, add_partials, many_operands
+from ..quant.repack import PackedWeight
+from .moe_gemv import _ExpertView, _operands, expert_index
+from .qgemv import _k4_scales, _largest_divisor, _q6_scale, _weight_operands, add_partials, many_operands, run_parts
 from .qgemv_tuned import GemvConfig, pick_config
 
 F32 = jnp.float32
@@ -95,8 +95,7 @@ def _block_sum(xs: _Rows, b: int, block: int):
 def _k4_chunk(c, refs, xs: _Rows, accs, macc, *, bn, with_qh, interpret):
     """Chunk c of a Q4_K/Q5_K row tile: sub-block pairs (2s, 2s+1) share the words 8s..8s+7."""
     qs_ref, sc_ref, dm_ref, *qh_ref = refs  # [BN, K/8] i32, [G, 3, BN] i32, [G, 2, BN] f16, [BN, K/32] i32
-    a, b_, cc = sc_ref[c, 0, :], sc_ref[c, 1, :], sc_ref[c, 2, :]  # [BN] packed 6-bit fields
-    d, dmin = dm_ref[c, 0, :].astype(F32), dm_ref[c, 1, :].astype(F32)  # [BN]
+    scales = _k4_scales(c, sc_ref, dm_ref)  # sub-block t -> (d * sc, dmin * m), [BN] each
     if with_qh:
         qh = qh_ref[0][:, pl.ds(c * 8, 8)]  # [BN, 8]: bit t of byte l = 5th bit of sub-block t, element l
     for s in range(4):
@@ -106,8 +105,7 @@ def _k4_chunk(c, refs, xs: _Rows, accs, macc, *, bn, with_qh, interpret):
             q = (words >> (4 * half)) & LOW if half else words & LOW
             if with_qh:
                 q = q | (((qh >> t) & 0x01010101) << 4)
-            sc, mn = k4_scale_min(a, b_, cc, t)
-            dl, ml = d * sc.astype(F32), dmin * mn.astype(F32)  # [BN], exact products
+            dl, ml = scales(t)
             block = c * 8 + t
             for r in range(xs.n):
                 dx = xs.d[r, block]
@@ -121,6 +119,7 @@ def _q6_k_chunk(c, refs, xs: _Rows, accs, macc, *, bn, interpret):
     whose bytes hold 6-bit quants (q - 32 is the value) of two 16-element sub-blocks."""
     qs_ref, qh_ref, sc_ref, d_ref = refs  # [BN, K/8] i32, [BN, K/16] i32, [G, 4, BN] i32, [G, BN] f16
     d = d_ref[c, :].astype(F32)  # [BN]
+    scw = [sc_ref[c, i, :] for i in range(4)]  # [BN] words of four int8 scales
     first_four = jax.lax.broadcasted_iota(jnp.int32, (1, 8), 1) < 4  # words 0-3: the quarter's first sub-block
     for h in range(2):
         hi = qh_ref[:, pl.ds(c * 16 + 8 * h, 8)]  # [BN, 8]: 2-bit field j of byte l = high bits of element 32j + l
@@ -128,9 +127,7 @@ def _q6_k_chunk(c, refs, xs: _Rows, accs, macc, *, bn, interpret):
             low = qs_ref[:, pl.ds(c * 32 + 16 * h + 8 * (j % 2), 8)]  # [BN, 8]
             q = ((low >> (4 * (j // 2))) & LOW) | (((hi >> (2 * j)) & 0x03030303) << 4)  # bytes 0..63
             sub = 8 * h + 2 * j  # first of the quarter's two sub-blocks
-            scw = sc_ref[c, sub // 4, :]  # [BN] word of four int8 scales
-            sa = ((scw << (24 - 8 * (sub % 4))) >> 24).astype(F32)  # sign-extended, exact
-            sb = ((scw << (16 - 8 * (sub % 4))) >> 24).astype(F32)
+            sa, sb = _q6_scale(scw, sub).astype(F32), _q6_scale(scw, sub + 1).astype(F32)  # exact
             block = c * 8 + 4 * h + j
             for r in range(xs.n):
                 dx = xs.d[r, block]
@@ -256,7 +253,7 @@ def qgemv_q8(x: Q8Act, w: PackedWeight, *, config: GemvConfig | None = None, int
 
 def _moe_kernel(e_ref, xq_ref, xd_ref, xs_ref, *refs, qtype, n_experts: int, per_program: int, interpret: bool):
     *w_refs, o_ref = refs  # o_ref [1, 1, BN]
-    e = jnp.clip(e_ref[0], 0, n_experts - 1)  # a bad index must not read out of bounds
+    e = expert_index(e_ref, n_experts)
 
     def store(r, y):
         o_ref[0, 0, :] = y
@@ -298,37 +295,30 @@ def moe_gemv_q8(x: Q8Act, w: PackedWeight, experts: jax.Array, *, config: GemvCo
     )(experts.astype(jnp.int32), x.qs, x.d, x.sums, *arrays))
 
 
-def _many_bodies(xs: _Rows, w_refs, store, tile, *, parts, qtypes, bn: int, interpret: bool, view=lambda r: r):
-    """Program ``tile`` of a launch over several weights: the body of the weight whose tiles
-    cover it (``pl.when``; the split-K share is read outside the branches, which the
-    interpreter needs)."""
-    share = pl.program_id(0)
-    at = 0
-    for part, qtype in zip(parts, qtypes):
-        refs = [view(r) for r in w_refs[at:at + part.n_fields]]
+def _part_body(xs: _Rows, store, *, bn: int, interpret: bool):
+    """This file's ``qgemv.run_parts`` body: one weight's chunks of a launch over several."""
 
-        @pl.when((tile >= part.start) & (tile < part.start + part.tiles))
-        def _(refs=refs, part=part, qtype=qtype):
-            _body(xs, refs, store, qtype=qtype, bn=bn, per_program=part.steps * part.per_step, interpret=interpret,
-                  share=share)
+    def body(part, refs, share):
+        _body(xs, refs, store, qtype=T(part.qtype), bn=bn, per_program=part.steps * part.per_step,
+              interpret=interpret, share=share)
 
-        at += part.n_fields
+    return body
 
 
 def _q8_many(ws, k: int, lead: tuple, name: str):
     for w in ws:
         _check(w, len(lead) + 2, name)
-    return many_operands(ws, k, lead, name, tuning="q8"), [T(w.qtype) for w in ws]
+    return many_operands(ws, k, lead, name, tuning="q8")
 
 
-def _dense_many_kernel(xq_ref, xd_ref, xs_ref, *refs, parts, qtypes, bn: int, interpret: bool):
+def _dense_many_kernel(xq_ref, xd_ref, xs_ref, *refs, parts, bn: int, interpret: bool):
     o_ref = refs[-1]  # [1, B, BN]
 
     def store(r, y):
         o_ref[0, r, :] = y
 
-    _many_bodies(_Rows(xq_ref, xd_ref, xs_ref, xq_ref.shape[0]), refs[:-1], store, pl.program_id(1), parts=parts,
-                 qtypes=qtypes, bn=bn, interpret=interpret)
+    xs = _Rows(xq_ref, xd_ref, xs_ref, xq_ref.shape[0])
+    run_parts(pl.program_id(1), refs[:-1], parts, _part_body(xs, store, bn=bn, interpret=interpret))
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
@@ -337,9 +327,9 @@ def qgemv_q8_many(x: Q8Act, ws: tuple, *, interpret: bool = False) -> tuple:
     bound by launches). Per output the sums are :func:`qgemv_q8`'s; the same bound holds with
     the launch's split (``many_operands``, tuned from the "q8" table)."""
     rows, k = x.qs.shape[0], x.qs.shape[1] * 4
-    m, qtypes = _q8_many(ws, k, (), "qgemv_q8_many")
+    m = _q8_many(ws, k, (), "qgemv_q8_many")
     y = pl.pallas_call(
-        functools.partial(_dense_many_kernel, parts=m.parts, qtypes=qtypes, bn=m.bn, interpret=interpret),
+        functools.partial(_dense_many_kernel, parts=m.parts, bn=m.bn, interpret=interpret),
         out_shape=jax.ShapeDtypeStruct((m.split_k, rows, m.tiles * m.bn), F32),
         grid=(m.split_k, m.tiles),
         in_specs=[*_x_specs(x, rows, _ALL_ROWS), *m.specs],
@@ -351,15 +341,16 @@ def qgemv_q8_many(x: Q8Act, ws: tuple, *, interpret: bool = False) -> tuple:
     return m.split(y)
 
 
-def _moe_many_kernel(e_ref, xq_ref, xd_ref, xs_ref, *refs, parts, qtypes, n_experts: int, bn: int, interpret: bool):
-    e = jnp.clip(e_ref[0], 0, n_experts - 1)
+def _moe_many_kernel(e_ref, xq_ref, xd_ref, xs_ref, *refs, parts, n_experts: int, bn: int, interpret: bool):
+    e = expert_index(e_ref, n_experts)
     o_ref = refs[-1]  # [1, 1, BN]
 
     def store(r, y):
         o_ref[0, 0, :] = y
 
-    _many_bodies(_Rows(xq_ref, xd_ref, xs_ref, 1), refs[:-1], store, pl.program_id(2), parts=parts, qtypes=qtypes,
-                 bn=bn, interpret=interpret, view=lambda r: _ExpertView(r, e))
+    xs = _Rows(xq_ref, xd_ref, xs_ref, 1)
+    run_parts(pl.program_id(2), refs[:-1], parts, _part_body(xs, store, bn=bn, interpret=interpret),
+              view=lambda r: _ExpertView(r, e))
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
@@ -369,11 +360,10 @@ def moe_gemv_q8_many(x: Q8Act, ws: tuple, experts: jax.Array, *, interpret: bool
     if x.qs.ndim != 2 or x.qs.shape[1] * 4 != k or experts.shape != (x.qs.shape[0],):
         raise ValueError(f"moe_gemv_q8_many: x must hold [P, {k}] activations and experts [P], got quants "
                          f"{x.qs.shape} and experts {experts.shape}")
-    m, qtypes = _q8_many(ws, k, (n_exp,), "moe_gemv_q8_many")
+    m = _q8_many(ws, k, (n_exp,), "moe_gemv_q8_many")
     n_pairs = x.qs.shape[0]
     y = pl.pallas_call(
-        functools.partial(_moe_many_kernel, parts=m.parts, qtypes=qtypes, n_experts=n_exp, bn=m.bn,
-                          interpret=interpret),
+        functools.partial(_moe_many_kernel, parts=m.parts, n_experts=n_exp, bn=m.bn, interpret=interpret),
         out_shape=jax.ShapeDtypeStruct((m.split_k, n_pairs, m.tiles * m.bn), F32),
         grid=(m.split_k, n_pairs, m.tiles),
         in_specs=[pl.BlockSpec((1,), lambda s, p, i: (p,)), *_x_specs(x, 1, _PAIR_ROW), *m.specs],
