@@ -5,7 +5,8 @@ Contract. :func:`source_witness` returns a JSON-ready dict:
 - ``commit``: ``git rev-parse HEAD`` of the checkout holding this package, or None;
 - ``dirty_tracked``: how many tracked files differ from that commit, or None;
 - ``packages``: versions of jax, jaxlib, numpy, gguf and bloomery_jax (None when one is absent);
-- ``device``: platform, device kind and count of ``jax.devices()``; ``python``: its version.
+- ``device``: platform, device kind and count of ``jax.devices()``; ``python``: its version;
+- ``xla_flags``: the ``XLA_FLAGS`` the compiler ran under ("" when unset): they change the code.
 
 None means *unknown* (no git, not a checkout, git failed): a count that cannot be read is never
 reported as 0, since 0 would claim a clean tree. :func:`describe` renders it on one line with
@@ -79,7 +80,7 @@ def source_witness(repo: str | os.PathLike | None = None) -> dict[str, object]:
     """The witness dict (see the module docstring)."""
     commit, dirty = git_state(repo)
     return {"commit": commit, "dirty_tracked": dirty, "packages": package_versions(), "device": device_info(),
-            "python": platform.python_version()}
+            "python": platform.python_version(), "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
 
 def describe(w: dict[str, object]) -> str:

@@ -108,6 +108,8 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=32, help="decode steps timed, then traced")
     p.add_argument("--top", type=int, default=40, help="kernels listed")
     p.add_argument("--out", type=Path, required=True, help="trace directory (and profile.json)")
+    p.add_argument("--no-trace", action="store_true",
+                   help="timed steps only (XLA turns command buffers off while profiling)")
     a = p.parse_args(argv)
     warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
     if a.tiny:
@@ -130,17 +132,21 @@ def main(argv=None):
     timed_steps(engine, seq, 2)  # compile and warm
     compile_s = time.perf_counter() - t0
     dispatch, total = timed_steps(engine, seq, a.steps)
-    trace_dir = a.out / "trace"
-    with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
-        timed_steps(engine, seq, a.steps)
-    busy_ms, kernels = summarize(device_events(trace_dir), a.steps, a.top)
+    busy_ms, kernels = None, []
+    if not a.no_trace:
+        trace_dir = a.out / "trace"
+        with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+            timed_steps(engine, seq, a.steps)
+        busy_ms, kernels = summarize(device_events(trace_dir), a.steps, a.top)
     leaves = len(jax.tree_util.tree_leaves((engine.params, engine.placement)))
     result = dict(bench="profile_decode", model=a.model, kernels=a.kernels, place=a.place,
                   device=str(jax.devices()[0].device_kind), layers=model.cfg.n_layers, leaves=leaves,
                   load_s=round(load_s, 1), compile_s=round(compile_s, 1), steps=a.steps,
                   dispatch_ms=round(statistics.median(dispatch) * 1e3, 3),
-                  step_ms=round(statistics.median(total) * 1e3, 3), device_busy_ms=round(busy_ms, 3),
+                  step_ms=round(statistics.median(total) * 1e3, 3),
+                  device_busy_ms=None if busy_ms is None else round(busy_ms, 3), xla_flags=os.environ.get("XLA_FLAGS", ""),
                   kernels_top=kernels)
+    a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "profile.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result))
 
