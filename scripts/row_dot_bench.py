@@ -1,0 +1,76 @@
+"""One core's throughput of the host row dots against Q8_K activations, from L2 (compute bound).
+
+For each of Q4_K and Q6_K: 512 rows of 2048 columns (0.6-0.9 MB, inside a core's L2), every row
+dotted with one quantized activation vector, by the portable kernel and by the AVX2 one
+(``bloomery_jax.host.simd``), interleaved, median of --reps calls a round. Prints GB/s of weight
+bytes and the largest relative difference between the two (the integer block sums are equal;
+the float combination of the Q4_K min term is ordered differently).
+
+    python scripts/row_dot_bench.py [--rounds 3 --reps 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+from gguf import GGMLQuantizationType as T
+from numba import njit
+
+from bloomery_jax.host import blocks as B
+from bloomery_jax.host import simd
+from bloomery_jax.quant import quantize
+
+
+def _rows_q4(dot):
+    @njit(nogil=True)
+    def run(W, xq, xd, xb, tab16, out):
+        for r in range(W.shape[0]):
+            out[r] = dot(W[r], xq, xd, xb, tab16)
+    return run
+
+
+def _rows_q6(dot):
+    @njit(nogil=True)
+    def run(W, xq, xd, xb, tab16, out):
+        for r in range(W.shape[0]):
+            out[r] = dot(W[r], xq, xd, tab16)
+    return run
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--reps", type=int, default=100)
+    a = p.parse_args(argv)
+    if not simd.HAS_AVX2:
+        raise SystemExit("this CPU has no AVX2: only the portable kernels exist here")
+    rng = np.random.default_rng(0)
+    K, R = 2048, 512
+    xq, xd, xb = np.empty(K, np.int16), np.empty(K // 256, np.float32), np.empty(K // 32, np.int32)
+    B.quantize_q8_k(rng.standard_normal(K).astype(np.float32), xq, xd, xb)
+    tab16, _ = B.conversion_tables()
+    for name, qtype, wrap, kernels in (
+            ("Q4_K", T.Q4_K, _rows_q4, (B._dot_q4_k_q8_portable, B._dot_q4_k_q8_avx2)),
+            ("Q6_K", T.Q6_K, _rows_q6, (B._dot_q6_k_q8_portable, B._dot_q6_k_q8_avx2))):
+        W = np.asarray(quantize(rng.standard_normal((R, K)).astype(np.float32), qtype)).reshape(R, -1)
+        runs = {tag: (wrap(k), np.empty(R, np.float32)) for tag, k in zip(("portable", "avx2"), kernels)}
+        for run, out in runs.values():
+            run(W, xq, xd, xb, tab16, out)  # compile
+        gbs = {tag: [] for tag in runs}
+        for _ in range(a.rounds):
+            for tag, (run, out) in runs.items():
+                ts = []
+                for _ in range(a.reps):
+                    t0 = time.perf_counter()
+                    run(W, xq, xd, xb, tab16, out)
+                    ts.append(time.perf_counter() - t0)
+                gbs[tag].append(round(W.nbytes / float(np.median(ts)) / 1e9, 2))
+        (_, o1), (_, o2) = runs.values()
+        rel = float(np.max(np.abs(o1 - o2) / (np.abs(o1) + 1e-3)))
+        print(f"{name}: GB/s one core from L2 {gbs}; max relative difference {rel:.2e}")
+
+
+if __name__ == "__main__":
+    main()
