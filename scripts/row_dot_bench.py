@@ -1,10 +1,10 @@
 """One core's throughput of the host row dots against Q8_K activations, from L2 (compute bound).
 
-For each of Q4_K and Q6_K: 512 rows of 2048 columns (0.6-0.9 MB, inside a core's L2), every row
+For each of Q4_K, Q5_K and Q6_K: 512 rows of 2048 columns (0.6-0.9 MB, inside a core's L2), every row
 dotted with one quantized activation vector, by the portable kernel and by the AVX2 one
 (``bloomery_jax.host.simd``), interleaved, median of --reps calls a round. Prints GB/s of weight
 bytes and the largest relative difference between the two (the integer block sums are equal;
-the float combination of the Q4_K min term is ordered differently).
+the float combination of the Q4_K/Q5_K min term is ordered differently).
 
     python scripts/row_dot_bench.py [--rounds 3 --reps 100]
 """
@@ -53,6 +53,7 @@ def main(argv=None) -> None:
     tab16, _ = B.conversion_tables()
     for name, qtype, wrap, kernels in (
             ("Q4_K", T.Q4_K, _rows_q4, (B._dot_q4_k_q8_portable, B._dot_q4_k_q8_avx2)),
+            ("Q5_K", T.Q5_K, _rows_q4, (B._dot_q5_k_q8_portable, B._dot_q5_k_q8_avx2)),
             ("Q6_K", T.Q6_K, _rows_q6, (B._dot_q6_k_q8_portable, B._dot_q6_k_q8_avx2))):
         W = np.asarray(quantize(rng.standard_normal((R, K)).astype(np.float32), qtype)).reshape(R, -1)
         runs = {tag: (wrap(k), np.empty(R, np.float32)) for tag, k in zip(("portable", "avx2"), kernels)}

@@ -230,15 +230,15 @@ def test_f16_round_matches_numpy():
 
 
 # the q8 row kernels the host picks (AVX2 block sums where it has them) and the portable ones
-Q8_IMPLS = {"picked": (B.dot_q4_k_q8, B.dot_q6_k_q8),
-            "portable": (B._dot_q4_k_q8_portable, B._dot_q6_k_q8_portable)}
+Q8_IMPLS = {"picked": (B.dot_q4_k_q8, B.dot_q5_k_q8, B.dot_q6_k_q8),
+            "portable": (B._dot_q4_k_q8_portable, B._dot_q5_k_q8_portable, B._dot_q6_k_q8_portable)}
 
 
 @pytest.mark.parametrize("qtype, impl", [(T.Q4_K, "picked"), (T.Q5_K, "picked"), (T.Q6_K, "picked"), (T.Q8_0, "picked"),
-                                         (T.Q4_K, "portable"), (T.Q6_K, "portable")])
+                                         (T.Q4_K, "portable"), (T.Q5_K, "portable"), (T.Q6_K, "portable")])
 def test_row_dots_against_dequantized_rows(qtype, impl):
     """Each format's two row kernels alone, against the dequantized row (512 columns, 4 rows)."""
-    dot_q4_k_q8, dot_q6_k_q8 = Q8_IMPLS[impl]
+    dot_q4_k_q8, dot_q5_k_q8, dot_q6_k_q8 = Q8_IMPLS[impl]
     rng = np.random.default_rng(int(qtype))
     K = 512
     w = rng.standard_normal((4, K)).astype(np.float32)
@@ -258,7 +258,7 @@ def test_row_dots_against_dequantized_rows(qtype, impl):
         v8 = R.act_q8_k(x)[0]
     f32_dot = {T.Q4_K: lambda r: B.dot_q4_k_f32(r, x, xs, tab16), T.Q5_K: lambda r: B.dot_q5_k_f32(r, x, xs, tab16),
                T.Q6_K: lambda r: B.dot_q6_k_f32(r, x, tab16), T.Q8_0: lambda r: B.dot_q8_0_f32(r, x, tab16)}[qtype]
-    q8_dot = {T.Q4_K: lambda r: dot_q4_k_q8(r, xq, xd, xb, tab16), T.Q5_K: lambda r: B.dot_q5_k_q8(r, xq, xd, xb, tab16),
+    q8_dot = {T.Q4_K: lambda r: dot_q4_k_q8(r, xq, xd, xb, tab16), T.Q5_K: lambda r: dot_q5_k_q8(r, xq, xd, xb, tab16),
               T.Q6_K: lambda r: dot_q6_k_q8(r, xq, xd, tab16), T.Q8_0: lambda r: B.dot_q8_0_q8(r, xq, xd, tab16)}[qtype]
     for r in range(4):
         for dot, v in ((f32_dot, x), (q8_dot, v8)):

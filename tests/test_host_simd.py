@@ -18,17 +18,26 @@ def _q4k_sums(row, o, xq, x0, xb, j):
 
 
 @njit
+def _q5k_sums(row, o, xq, x0, xb, j):
+    return simd.q5k_block_sums(row, o, xq, x0, xb, j)
+
+
+@njit
 def _q6k_sum(row, o, xq, x0):
     return simd.q6k_block_sum(row, o, xq, x0)
 
 
-def q4k_ints(block: np.ndarray, x: np.ndarray) -> tuple[int, int]:
-    """sum_j s_j sum_l q_jl x_jl and sum_j m_j (sum of x over sub-block j), from 144 bytes."""
+def k_ints(block: np.ndarray, x: np.ndarray) -> tuple[int, int]:
+    """sum_j s_j sum_l q_jl x_jl and sum_j m_j (sum of x over sub-block j), from a Q4_K block
+    (144 bytes) or a Q5_K one (176 bytes: qh[32] before the nibbles, bit j of qh[l] on top)."""
     sc = block[4:16].astype(np.int64)
     s = np.concatenate([sc[0:4] & 63, (sc[8:12] & 15) | ((sc[0:4] >> 6) << 4)])
     m = np.concatenate([sc[4:8] & 63, (sc[8:12] >> 4) | ((sc[4:8] >> 6) << 4)])
-    qs = block[16:144].astype(np.int64).reshape(4, 32)
+    qs = block[-128:].astype(np.int64).reshape(4, 32)
     q = np.stack([qs & 15, qs >> 4], axis=1).reshape(8, 32)  # sub-block 2g: low nibbles of group g
+    if block.size == 176:
+        qh = block[16:48].astype(np.int64)
+        q = q | (((qh[None, :] >> np.arange(8)[:, None]) & 1) << 4)
     xs = x.astype(np.int64).reshape(8, 32)
     return int((s * (q * xs).sum(1)).sum()), int((m * xs.sum(1)).sum())
 
@@ -54,13 +63,15 @@ def _cases(rng, block_bytes):
         yield top, np.full(256, v, np.int16)
 
 
-def test_q4k_block_sums_exact():
-    rng = np.random.default_rng(0)
-    for block, x in _cases(rng, 144):
-        row = np.concatenate([rng.integers(0, 256, 144, dtype=np.uint8), block])  # block at byte 144
+@pytest.mark.parametrize("block_bytes", [144, 176])
+def test_q4k_q5k_block_sums_exact(block_bytes):
+    rng = np.random.default_rng(block_bytes)
+    sums = _q4k_sums if block_bytes == 144 else _q5k_sums
+    for block, x in _cases(rng, block_bytes):
+        row = np.concatenate([rng.integers(0, 256, block_bytes, dtype=np.uint8), block])  # the 2nd block
         xq = np.concatenate([np.zeros(256, np.int16), x])
         xb = np.concatenate([np.zeros(8, np.int32), x.reshape(8, 32).sum(1).astype(np.int32)])
-        assert _q4k_sums(row, 144, xq, 256, xb, 8) == q4k_ints(block, x)
+        assert sums(row, block_bytes, xq, 256, xb, 8) == k_ints(block, x)
 
 
 def test_q6k_block_sum_exact():

@@ -29,8 +29,8 @@ fit 16 bits: hence ``_p16`` and sign extensions instead of arithmetic for int8 s
 Q4_K/Q5_K min term, summed inside the block loop, stopped the quant loop from vectorizing at all
 ("value that could not be identified as reduction"): it is a loop of its own. No vpmaddubsw or
 vpdpbusd: LLVM does not form them from plain code, so the 8-bit products go through int16.
-Where the CPU has AVX2, ``dot_q4_k_q8`` and ``dot_q6_k_q8`` are the ``_avx2`` kernels, whose
-block sums are ``host.simd``'s vector IR (vpmaddubsw + vpmaddwd; 1.7x a core from L2, same
+Where the CPU has AVX2, ``dot_q4_k_q8``, ``dot_q5_k_q8`` and ``dot_q6_k_q8`` are the ``_avx2``
+kernels, whose block sums are ``host.simd``'s vector IR (vpmaddubsw + vpmaddwd; 1.7x a core from L2, same
 integers); the ``_portable`` ones serve the rest and are tested on every machine.
 """
 
@@ -219,7 +219,7 @@ def dot_q5_k_f32(row, x, xs, tab16):
 
 
 @njit(**_JIT)
-def dot_q5_k_q8(row, xq, xd, xb, tab16):
+def _dot_q5_k_q8_portable(row, xq, xd, xb, tab16):
     acc = f32(0)
     for b in range(row.shape[0] // 176):
         o = b * 176
@@ -241,6 +241,22 @@ def dot_q5_k_q8(row, xq, xd, xb, tab16):
                     + s7 * i32(i16(_q5(b3, h, 7)) * i16(xq[x0 + 224 + l])))
         acc += xd[b] * _f16(row, o, tab16) * f32(s)
     return acc - _k4_min_term(row, 176, xd, xb, tab16)
+
+
+@njit(**_JIT)
+def _dot_q5_k_q8_avx2(row, xq, xd, xb, tab16):
+    """:func:`_dot_q5_k_q8_portable` with the block sums of ``simd.q5k_block_sums`` (the same integers)."""
+    acc = f32(0)
+    macc = f32(0)
+    for b in range(row.shape[0] // 176):
+        o = b * 176
+        s, m = simd.q5k_block_sums(row, o, xq, b * 256, xb, b * 8)
+        acc += xd[b] * _f16(row, o, tab16) * f32(s)
+        macc += xd[b] * _f16(row, o + 2, tab16) * f32(m)
+    return acc - macc
+
+
+dot_q5_k_q8 = _dot_q5_k_q8_avx2 if simd.HAS_AVX2 else _dot_q5_k_q8_portable
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,11 +8,12 @@ activations and one ``vpmaddwd`` against the sub-block scale, and the 6-bit scal
 unpacked with four 32-bit word operations instead of sixteen byte extractions.
 
 Contract. Each intrinsic returns exact int32 block sums, equal to the portable kernels' integer
-sums (every product and partial sum fits its lane: Q4_K ``15 * 128 * 2`` per int16 pair, Q6_K
+sums (every product and partial sum fits its lane: Q4_K/Q5_K ``31 * 128 * 2`` per int16 pair, Q6_K
 ``(q - 32) x`` pairs within ``32 * 128 * 2``; scales at most 63 / 128):
 
 - :func:`q4k_block_sums` ``(row, o, xq, x0, xb, j) -> (sum_j s_j sum_l q x, sum_j m_j xb_j)``
-  for the Q4_K block at byte ``o`` of ``row`` and activations ``xq[x0 : x0 + 256]``;
+  for the Q4_K block at byte ``o`` of ``row`` and activations ``xq[x0 : x0 + 256]``
+  (``xb[j : j + 8]``: their sums per 32); :func:`q5k_block_sums` the same for Q5_K;
 - :func:`q6k_block_sum` ``(row, o, xq, x0) -> sum_g c_g sum_l (q - 32) x`` for a Q6_K block.
 
 ``xq`` is the Q8_K quants as int16 (``blocks.quantize_q8_k``'s layout; values fit int8, so the
@@ -70,47 +71,62 @@ def _word(builder, rp, o, k):
     return builder.load(builder.bitcast(builder.gep(rp, [_at(builder, o, k)]), I32.as_pointer()), align=1)
 
 
-@intrinsic
-def q4k_block_sums(typingctx, row, o, xq, x0, xb, j):
-    sig = types.UniTuple(types.int32, 2)(row, o, xq, x0, xb, j)
+def _k_block_sums(fifth_bit: bool):
+    """The Q4_K (``fifth_bit`` False) or Q5_K block-sums intrinsic: the same scales and mins,
+    Q5_K's quants at byte 48 with bit j of ``qh[l]`` (32 bytes at byte 16) as sub-block j's 5th bit."""
 
-    def codegen(context, builder, signature, args):
-        row_v, o_v, xq_v, x0_v, xb_v, j_v = args
-        rp = _data(context, builder, signature.args[0], row_v)
-        xp = _data(context, builder, signature.args[2], xq_v)
-        bp = _data(context, builder, signature.args[4], xb_v)
-        maddubs = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", V16I16, V32I8, V32I8)
-        maddwd = _fn(builder, "llvm.x86.avx2.pmadd.wd", V8I32, V16I16, V16I16)
-        reduce = _fn(builder, "llvm.vector.reduce.add.v8i32", I32, V8I32)
-        # the 12 scale bytes as three words: scales s0-3 | s4-7 and mins m0-3 | m4-7, one byte each
-        w0, w1, w2 = (_word(builder, rp, o_v, k) for k in (4, 8, 12))
-        c = lambda v: ir.Constant(I32, v)  # noqa: E731
-        low6, low4, low2 = c(0x3F3F3F3F), c(0x0F0F0F0F), c(0x03030303)
-        s03 = builder.and_(w0, low6)
-        s47 = builder.or_(builder.and_(w2, low4), builder.shl(builder.and_(builder.lshr(w0, c(6)), low2), c(4)))
-        m03 = builder.and_(w1, low6)
-        m47 = builder.or_(builder.and_(builder.lshr(w2, c(4)), low4), builder.shl(builder.and_(builder.lshr(w1, c(6)), low2), c(4)))
+    def block_sums(typingctx, row, o, xq, x0, xb, j):
+        sig = types.UniTuple(types.int32, 2)(row, o, xq, x0, xb, j)
 
-        def bytes8(lo, hi, wide):  # two words -> <8 x i8> -> zero-extended to <8 x wide>
-            pair = builder.insert_element(builder.insert_element(ir.Constant(ir.VectorType(I32, 2), ir.Undefined), lo, c(0)), hi, c(1))
-            return builder.zext(builder.bitcast(pair, V8I8), ir.VectorType(wide, 8))
+        def codegen(context, builder, signature, args):
+            row_v, o_v, xq_v, x0_v, xb_v, j_v = args
+            rp = _data(context, builder, signature.args[0], row_v)
+            xp = _data(context, builder, signature.args[2], xq_v)
+            bp = _data(context, builder, signature.args[4], xb_v)
+            maddubs = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", V16I16, V32I8, V32I8)
+            maddwd = _fn(builder, "llvm.x86.avx2.pmadd.wd", V8I32, V16I16, V16I16)
+            reduce = _fn(builder, "llvm.vector.reduce.add.v8i32", I32, V8I32)
+            # the 12 scale bytes as three words: scales s0-3 | s4-7 and mins m0-3 | m4-7, one byte each
+            w0, w1, w2 = (_word(builder, rp, o_v, k) for k in (4, 8, 12))
+            c = lambda v: ir.Constant(I32, v)  # noqa: E731
+            low6, low4, low2 = c(0x3F3F3F3F), c(0x0F0F0F0F), c(0x03030303)
+            s03 = builder.and_(w0, low6)
+            s47 = builder.or_(builder.and_(w2, low4), builder.shl(builder.and_(builder.lshr(w0, c(6)), low2), c(4)))
+            m03 = builder.and_(w1, low6)
+            m47 = builder.or_(builder.and_(builder.lshr(w2, c(4)), low4),
+                              builder.shl(builder.and_(builder.lshr(w1, c(6)), low2), c(4)))
 
-        scales = bytes8(s03, s47, I16)
-        mins = bytes8(m03, m47, I32)
-        acc = _const(I32, 8, 0)
-        q = _at(builder, o_v, 16)
-        for g in range(4):  # 32 bytes: low nibbles are sub-block 2g, high nibbles 2g + 1
-            w = _load(builder, rp, _at(builder, q, 32 * g), V32I8)
-            lo = builder.and_(w, _const(I8, 32, 15))
-            hi = builder.lshr(w, _const(I8, 32, 4))
-            for nib, sub in ((lo, 2 * g), (hi, 2 * g + 1)):
-                pairs = builder.call(maddubs, [nib, _x8(builder, xp, x0_v, 32 * sub)])  # <16 x i16>
-                acc = builder.add(acc, builder.call(maddwd, [pairs, _lanes(builder, scales, [sub] * 16)]))
-        quant_sum = builder.call(reduce, [acc])
-        min_sum = builder.call(reduce, [builder.mul(mins, _load(builder, bp, j_v, V8I32))])
-        return context.make_tuple(builder, signature.return_type, [quant_sum, min_sum])
+            def bytes8(lo, hi, wide):  # two words -> <8 x i8> -> zero-extended to <8 x wide>
+                pair = ir.Constant(ir.VectorType(I32, 2), ir.Undefined)
+                pair = builder.insert_element(builder.insert_element(pair, lo, c(0)), hi, c(1))
+                return builder.zext(builder.bitcast(pair, V8I8), ir.VectorType(wide, 8))
 
-    return sig, codegen
+            scales = bytes8(s03, s47, I16)
+            mins = bytes8(m03, m47, I32)
+            acc = _const(I32, 8, 0)
+            q = _at(builder, o_v, 48 if fifth_bit else 16)
+            qh = _load(builder, rp, _at(builder, o_v, 16), V32I8) if fifth_bit else None
+            for g in range(4):  # 32 bytes: low nibbles are sub-block 2g, high nibbles 2g + 1
+                w = _load(builder, rp, _at(builder, q, 32 * g), V32I8)
+                nibbles = (builder.and_(w, _const(I8, 32, 15)), builder.lshr(w, _const(I8, 32, 4)))
+                for nib, sub in zip(nibbles, (2 * g, 2 * g + 1)):
+                    if fifth_bit:
+                        bit = builder.and_(builder.lshr(qh, _const(I8, 32, sub)), _const(I8, 32, 1))
+                        nib = builder.or_(nib, builder.shl(bit, _const(I8, 32, 4)))
+                    pairs = builder.call(maddubs, [nib, _x8(builder, xp, x0_v, 32 * sub)])  # <16 x i16>
+                    acc = builder.add(acc, builder.call(maddwd, [pairs, _lanes(builder, scales, [sub] * 16)]))
+            quant_sum = builder.call(reduce, [acc])
+            min_sum = builder.call(reduce, [builder.mul(mins, _load(builder, bp, j_v, V8I32))])
+            return context.make_tuple(builder, signature.return_type, [quant_sum, min_sum])
+
+        return sig, codegen
+
+    block_sums.__name__ = "q5k_block_sums" if fifth_bit else "q4k_block_sums"
+    return intrinsic(block_sums)
+
+
+q4k_block_sums = _k_block_sums(False)
+q5k_block_sums = _k_block_sums(True)
 
 
 @intrinsic
