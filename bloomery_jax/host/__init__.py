@@ -8,6 +8,10 @@
 layer kernel, ``reference`` the plain NumPy twin the tests compare against.
 """
 
-from .swiglu import ACTS, DEFAULT_ACT, KERNEL_FORMATS, HostExpertLayer, HostTensor, host_moe_swiglu
+from . import numba_cache
+
+numba_cache.install()  # before the kernels' modules create their caches
+
+from .swiglu import ACTS, DEFAULT_ACT, KERNEL_FORMATS, HostExpertLayer, HostTensor, host_moe_swiglu  # noqa: E402
 
 __all__ = ["ACTS", "DEFAULT_ACT", "KERNEL_FORMATS", "HostExpertLayer", "HostTensor", "host_moe_swiglu"]
