@@ -4,8 +4,12 @@
 #
 # A decode step of the 30B-shaped model launches ~2,000 kernels; the step call returned after
 # 14 ms while the card was busy 5 ms (benchmarks/gpu_2026-12-03-s5): the host enqueues kernel by
-# kernel. XLA puts runs of fusions into CUDA graphs by default, but a Pallas (Triton) call is not
-# a command, so it cuts every graph short. The variants ask XLA to capture those calls too.
+# kernel. XLA puts runs of >= 5 fusions into CUDA graphs by default, but a Pallas (Triton) call is
+# not a command, so it cuts every graph short. Variants: default, graphs off, graphs of any size;
+# then the default step's optimized HLO, counted by scripts/hlo_launches.py (what the host
+# launches: graphs, Pallas calls, lone fusions, copies). The flags that would let XLA capture
+# the Triton calls (--legacy_command_buffer_custom_call_targets, --xla_gpu_experimental_enable_
+# command_buffer_on_thunks) are unknown to jaxlib 0.11.2: the 2026-12-03 run aborted on both.
 #
 #   run: bash scripts/dispatch_probe.sh      (carry .whl; writes under $OUT)
 set -u
@@ -20,12 +24,11 @@ $S model --layers 8 2>&1 | tail -1 | cut -c1-200
 declare -A FLAGS=(
   [default]=""
   [off]="--xla_gpu_enable_command_buffer="
-  [on-thunks]="--xla_gpu_experimental_enable_command_buffer_on_thunks=true"
-  [triton]='--legacy_command_buffer_custom_call_targets=__gpu$xla.gpu.triton'
-  [triton-min1]='--legacy_command_buffer_custom_call_targets=__gpu$xla.gpu.triton --xla_gpu_graph_min_graph_size=1'
+  [min1]="--xla_gpu_graph_min_graph_size=1"
+  [dump]="--xla_dump_to=/tmp/probe-hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*"
 )
 best="" best_ms=1e9
-for name in default off on-thunks triton triton-min1; do
+for name in default off min1 dump; do
   XLA_FLAGS="${FLAGS[$name]}" timeout 100 python3 scripts/profile_decode.py --model $M8 --kernels pallas \
     --steps 32 --no-trace --out /tmp/probe-$name > /tmp/probe-$name.log 2>&1
   rc=$?
@@ -33,12 +36,13 @@ for name in default off on-thunks triton triton-min1; do
     ms=$(python3 -c "import json;print(json.load(open('/tmp/probe-$name/profile.json'))['step_ms'])")
     python3 -c "import json;d=json.load(open('/tmp/probe-$name/profile.json'));d['variant']='$name';print(json.dumps(d))" >> $OUT/profiles.jsonl
     echo "$name: step_ms $ms (rc $rc)"
-    if python3 -c "import sys; sys.exit(0 if $ms < $best_ms else 1)"; then best=$name best_ms=$ms; fi
+    if [ $name != dump ] && python3 -c "import sys; sys.exit(0 if $ms < $best_ms else 1)"; then best=$name best_ms=$ms; fi
   else
     echo "$name: failed (rc $rc)"; tail -3 /tmp/probe-$name.log | cut -c1-300
     echo "{\"variant\": \"$name\", \"rc\": $rc}" >> $OUT/profiles.jsonl
   fi
 done
+python3 scripts/hlo_launches.py /tmp/probe-hlo | tee $OUT/hlo_launches.json
 echo "best: $best ($best_ms ms) at ${SECONDS}s"
 wait
 if [ $SECONDS -lt 360 ]; then
