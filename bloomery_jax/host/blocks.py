@@ -163,18 +163,28 @@ def _dot_q4_k_q8_portable(row, xq, xd, xb, tab16):
     return acc - _k4_min_term(row, 144, xd, xb, tab16)
 
 
-@njit(**_JIT)
-def _dot_q4_k_q8_avx2(row, xq, xd, xb, tab16):
-    """:func:`_dot_q4_k_q8_portable` with the block sums of ``simd.q4k_block_sums`` (the same
-    integers); quant and min terms are summed over blocks in one pass."""
+@njit(inline="always")
+def _k4_dot_q8_avx2(row, xq, xd, xb, tab16, block_bytes):
+    """Q4_K (``block_bytes`` 144) or Q5_K (176) row · Q8_K x with the block sums of
+    ``simd.q4k_block_sums`` / ``q5k_block_sums`` (the portable kernels' integers); quant and min
+    terms are summed over blocks in one pass. Inlined with a constant ``block_bytes``, so the
+    format test folds away."""
     acc = f32(0)
     macc = f32(0)
-    for b in range(row.shape[0] // 144):
-        o = b * 144
-        s, m = simd.q4k_block_sums(row, o, xq, b * 256, xb, b * 8)
+    for b in range(row.shape[0] // block_bytes):
+        o = b * block_bytes
+        if block_bytes == 144:
+            s, m = simd.q4k_block_sums(row, o, xq, b * 256, xb, b * 8)
+        else:
+            s, m = simd.q5k_block_sums(row, o, xq, b * 256, xb, b * 8)
         acc += xd[b] * _f16(row, o, tab16) * f32(s)
         macc += xd[b] * _f16(row, o + 2, tab16) * f32(m)
     return acc - macc
+
+
+@njit(**_JIT)
+def _dot_q4_k_q8_avx2(row, xq, xd, xb, tab16):
+    return _k4_dot_q8_avx2(row, xq, xd, xb, tab16, 144)
 
 
 dot_q4_k_q8 = _dot_q4_k_q8_avx2 if simd.HAS_AVX2 else _dot_q4_k_q8_portable
@@ -245,15 +255,7 @@ def _dot_q5_k_q8_portable(row, xq, xd, xb, tab16):
 
 @njit(**_JIT)
 def _dot_q5_k_q8_avx2(row, xq, xd, xb, tab16):
-    """:func:`_dot_q5_k_q8_portable` with the block sums of ``simd.q5k_block_sums`` (the same integers)."""
-    acc = f32(0)
-    macc = f32(0)
-    for b in range(row.shape[0] // 176):
-        o = b * 176
-        s, m = simd.q5k_block_sums(row, o, xq, b * 256, xb, b * 8)
-        acc += xd[b] * _f16(row, o, tab16) * f32(s)
-        macc += xd[b] * _f16(row, o + 2, tab16) * f32(m)
-    return acc - macc
+    return _k4_dot_q8_avx2(row, xq, xd, xb, tab16, 176)
 
 
 dot_q5_k_q8 = _dot_q5_k_q8_avx2 if simd.HAS_AVX2 else _dot_q5_k_q8_portable

@@ -33,7 +33,7 @@ HAS_AVX2 = "+avx2" in llvm_binding.get_host_cpu_features().flatten().split(",")
 
 I8, I16, I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
 V32I8, V32I16, V16I8, V16I16 = ir.VectorType(I8, 32), ir.VectorType(I16, 32), ir.VectorType(I8, 16), ir.VectorType(I16, 16)
-V8I8, V8I16, V8I32 = ir.VectorType(I8, 8), ir.VectorType(I16, 8), ir.VectorType(I32, 8)
+V8I8, V8I32 = ir.VectorType(I8, 8), ir.VectorType(I32, 8)
 
 
 def _fn(builder, name, ret, *args):
