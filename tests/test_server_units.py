@@ -1,4 +1,5 @@
-"""Server parts without a model: body parsing, field paths, Prometheus text, engine failure.
+"""Server parts without a model: body parsing, field paths, Prometheus text, engine failure,
+the order in which a finished job leaves the admission bound.
 
 The engine-failure test drives the provider's worker loop with a scheduler whose step raises
 (the one path the HTTP tests cannot reach without breaking a real engine): every job in flight
@@ -13,7 +14,7 @@ import threading
 
 import pytest
 
-from bloomery_jax.engine.scheduler import Timings
+from bloomery_jax.engine.scheduler import Event, Timings
 from bloomery_jax.server.errors import APIError
 from bloomery_jax.server.jobs import Job
 from bloomery_jax.server.metrics import Metrics
@@ -107,3 +108,34 @@ def test_engine_failure_fails_every_job_and_the_provider():
     with pytest.raises(APIError) as e:
         p.require_ready()
     assert e.value.status == 500
+
+
+class _WatchedJob:
+    """A job whose pushes record how many jobs the provider counted in flight at that moment."""
+
+    def __init__(self, provider, rid):
+        self.request = _Req(rid)
+        self.request.timings = Timings()
+        self.timed_out = False
+        self.provider, self.seen = provider, []
+
+    def push(self, ev):
+        self.seen.append((ev.finish_reason, self.provider.in_flight(),
+                          dict(self.provider.metrics.finished)))
+
+
+def test_a_finished_job_leaves_the_bound_before_its_client_sees_the_end():
+    """A client at the queue's bound sends its next request the moment one ends (the soak's
+    8 clients on 2 slots + 6 queued): when the finishing event reaches the client, the job must
+    already be out of the count that admission checks, and counted as finished in /metrics."""
+    p = Provider(ProviderOptions())
+    jobs = [_WatchedJob(p, i) for i in (1, 2)]
+    p._jobs = {j.request.id: j for j in jobs}
+    jobs[0].request.events.put(Event(1, 7, "a"))
+    jobs[0].request.events.put(Event(1, 8, "b", finish_reason="length"))
+    jobs[1].request.events.put(Event(2, 9, "c"))
+    p._forward()
+    token, last = jobs[0].seen
+    assert token[:2] == (None, 2)  # still running: both jobs count
+    assert last[:2] == ("length", 1) and last[2]["length"] == 1
+    assert jobs[1].seen[0][:2] == (None, 1) and p.in_flight() == 1

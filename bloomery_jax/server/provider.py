@@ -271,12 +271,16 @@ class Provider:
                     break
                 if ev.token is not None:
                     self.metrics.on_token(now)
+                if ev.finish_reason is None:
+                    job.push(ev)
+                    continue
+                # Out of the job table before the client can see the end: its next request must
+                # find this one's place free (the bound counts the table).
+                with self._jobs_lock:
+                    self._jobs.pop(rid, None)
+                self.metrics.on_finish("time_limit" if job.timed_out else ev.finish_reason, job.request.timings)
                 job.push(ev)
-                if ev.finish_reason is not None:
-                    self.metrics.on_finish("time_limit" if job.timed_out else ev.finish_reason, job.request.timings)
-                    with self._jobs_lock:
-                        self._jobs.pop(rid, None)
-                    break
+                break
 
     def _fail_all(self, message: str) -> None:
         with self._jobs_lock:
