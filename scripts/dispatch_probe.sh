@@ -11,14 +11,16 @@
 # the Triton calls (--legacy_command_buffer_custom_call_targets, --xla_gpu_experimental_enable_
 # command_buffer_on_thunks) are unknown to jaxlib 0.11.2: the 2026-12-03 run aborted on both.
 #
-#   run: bash scripts/dispatch_probe.sh      (carry .whl; writes under $OUT)
+#   run: bash scripts/dispatch_probe.sh [--no-bench]   (carry .whl; writes under $OUT)
+#   --no-bench: the 8-layer variants and the HLO count only (no 48-layer file, no bench)
 set -u
+BENCH=1; [ "${1:-}" = "--no-bench" ] && BENCH=0
 OUT=${OUT:-/tmp/dispatch_probe}
 mkdir -p "$OUT"
 S="python3 scripts/gpu_session.py --out $OUT"
 M8=/tmp/bloomery/qwen3-30b-a3b-shape-8l-q4km.gguf
 # the 48-layer file for the last stage, written in the background at low priority
-(nice -n 19 $S model >/dev/null 2>&1) &
+[ $BENCH = 1 ] && (nice -n 19 $S model >/dev/null 2>&1) &
 $S model --layers 8 2>&1 | tail -1 | cut -c1-200
 
 declare -A FLAGS=(
@@ -45,7 +47,7 @@ done
 python3 scripts/hlo_launches.py /tmp/probe-hlo | tee $OUT/hlo_launches.json
 echo "best: $best ($best_ms ms) at ${SECONDS}s"
 wait
-if [ $SECONDS -lt 360 ]; then
+if [ $BENCH = 1 ] && [ $SECONDS -lt 360 ]; then
   XLA_FLAGS="${FLAGS[$best]}" $S bench --only card --parallel 1 --kernels pallas --variant-timeout $((575 - SECONDS)) \
     2>&1 | grep -o '"test": "[a-z0-9]*", "parallel": 1, "depth": 0, "n_tokens": [0-9]*, "tps_median": [0-9.]*'
   echo "$best" > $OUT/bench-flags.txt

@@ -15,7 +15,8 @@ pair: the rate of the dot products themselves, above GB/s once tokens share expe
 with ``multi_min`` tokens or more decodes each row once for all of them; fewer, and each pair
 reads the rows again, from cache). ``--multi-min`` sets host_moe_swiglu's threshold (default:
 its own; a large value turns the multi-token path off, for a before/after in one run). Routing changes every call and walks through all E experts,
-so the weights come from DRAM, not from the last call's cache.
+so the weights come from DRAM, not from the last call's cache. "empty ms" is the same call with
+no expert on the host: what a call costs before any dot product.
 
 Weights: ``--distinct`` experts are quantized from random normals with the repo's quantizer and
 tiled to E experts (distinct memory, the same values: quantizing all 128 would take minutes).
@@ -118,13 +119,21 @@ def bench_case(layer, acts: list[str], N: int, k: int, reps: int, warmup: int, s
                 ts[act].append(dt)
         if i >= warmup:
             nbytes.append(len(np.unique(ex)) * per_expert)
+    # The same call with no pair on the host: argument checks, Numba dispatch, grouping, return.
+    none_on_host = np.zeros(E, bool)
+    empty = []
+    for ex in routes[warmup:]:
+        t0 = time.perf_counter()
+        host_moe_swiglu(x, ex, w, none_on_host, layer, chunksize=chunksize, multi_min=multi_min)
+        empty.append(time.perf_counter() - t0)
+    empty_ms = float(np.median(empty)) * 1e3
     gb = float(np.median(nbytes)) / 1e9
     work = N * k * per_expert / 1e9  # weight bytes the dot products run through (once per pair)
     out = {}
     for act in acts:
         t, best = float(np.median(ts[act])), float(np.min(ts[act]))
         out[act] = {"ms": t * 1e3, "ms_min": best * 1e3, "GB": gb, "GBps": gb / t, "GBps_best": gb / best,
-                    "pairs": N * k, "work_GBps": work / t}
+                    "pairs": N * k, "work_GBps": work / t, "empty_ms": empty_ms}
     return out
 
 
@@ -195,7 +204,7 @@ def main(argv=None) -> None:
         results["bandwidth"][th] = bw
         print(f"\nthreads {th}: read bandwidth (numba parallel sum, {a.bw_mib} MiB f32) {bw:.1f} GB/s")
         print(f"{'weights':8s} {'act':4s} {'N':>4s} {'ms':>8s} {'MB':>7s} {'GB/s':>6s} {'ratio':>5s} "
-              f"{'best GB/s':>9s} {'work GB/s':>9s}")
+              f"{'best GB/s':>9s} {'work GB/s':>9s} {'empty ms':>8s}")
         for name, layer in layers.items():
             for N in tokens:
                 case = bench_case(layer, a.acts.split(","), N, a.k, a.reps, a.warmup, chunksize=a.chunksize,
@@ -204,7 +213,7 @@ def main(argv=None) -> None:
                     r.update(weights=name, act=act, N=N, threads=th, ratio=r["GBps"] / bw)
                     results["runs"].append(r)
                     print(f"{name:8s} {act:4s} {N:4d} {r['ms']:8.3f} {r['GB'] * 1e3:7.1f} {r['GBps']:6.2f} {r['ratio']:5.2f} "
-                          f"{r['GBps_best']:9.2f} {r['work_GBps']:9.2f}")
+                          f"{r['GBps_best']:9.2f} {r['work_GBps']:9.2f} {r['empty_ms']:8.3f}")
     results["machine"]["threading_layer"] = numba.threading_layer()
     print(f"\nnumba threading layer: {results['machine']['threading_layer']}")
     if a.asm:
