@@ -145,9 +145,10 @@ def asm_mix(top: int = 8) -> dict[str, list]:
     x, xs, xd = np.zeros(K, np.float32), np.zeros(K // 32, np.float32), np.zeros(K // 32, np.float32)
     xq, xb = np.zeros(K, np.int16), np.zeros(K // 32, np.int32)
     row = lambda n: np.zeros(n, np.uint8)  # noqa: E731
-    calls = {"dot_q4_k_f32": (row(288), x, xs, tab16), "dot_q4_k_q8": (row(288), xq, xd, xb, tab16),
-             "dot_q5_k_f32": (row(352), x, xs, tab16), "dot_q5_k_q8": (row(352), xq, xd, xb, tab16),
-             "dot_q6_k_f32": (row(420), x, tab16), "dot_q6_k_q8": (row(420), xq, xd, tab16),
+    xq8, x16 = np.zeros(K, np.int8), np.zeros(K // 16, np.int16)
+    calls = {"dot_q4_k_f32": (row(288), x, xs, tab16), "dot_q4_k_q8": (row(288), xq, xq8, xd, xb, x16, tab16),
+             "dot_q5_k_f32": (row(352), x, xs, tab16), "dot_q5_k_q8": (row(352), xq, xq8, xd, xb, x16, tab16),
+             "dot_q6_k_f32": (row(420), x, tab16), "dot_q6_k_q8": (row(420), xq, xq8, xd, xb, x16, tab16),
              "dot_q8_0_f32": (row(544), x, tab16), "dot_q8_0_q8": (row(544), xq, xd, tab16),
              "dot_f32": (row(4 * K), x), "dot_f16": (row(2 * K), x, tab16)}
     # the multi-token path: one row decoded into buffers, then dotted with several tokens

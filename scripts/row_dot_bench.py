@@ -4,7 +4,7 @@ For each of Q4_K, Q5_K and Q6_K: 512 rows of 2048 columns (0.6-0.9 MB, inside a 
 dotted with one quantized activation vector, by the portable kernel and by the AVX2 one
 (``bloomery_jax.host.simd``), interleaved, median of --reps calls a round. Prints GB/s of weight
 bytes and the largest relative difference between the two (the integer block sums are equal;
-the float combination of the Q4_K/Q5_K min term is ordered differently).
+their float combination is ordered differently: the AVX2 kernels sum in eight lanes).
 
     python scripts/row_dot_bench.py [--rounds 3 --reps 100]
 """
@@ -23,19 +23,11 @@ from bloomery_jax.host import simd
 from bloomery_jax.quant import quantize
 
 
-def _rows_q4(dot):
+def _rows(dot):
     @njit(nogil=True)
-    def run(W, xq, xd, xb, tab16, out):
+    def run(W, xq, xq8, xd, xb, x16, tab16, out):
         for r in range(W.shape[0]):
-            out[r] = dot(W[r], xq, xd, xb, tab16)
-    return run
-
-
-def _rows_q6(dot):
-    @njit(nogil=True)
-    def run(W, xq, xd, xb, tab16, out):
-        for r in range(W.shape[0]):
-            out[r] = dot(W[r], xq, xd, tab16)
+            out[r] = dot(W[r], xq, xq8, xd, xb, x16, tab16)
     return run
 
 
@@ -50,22 +42,24 @@ def main(argv=None) -> None:
     K, R = 2048, 512
     xq, xd, xb = np.empty(K, np.int16), np.empty(K // 256, np.float32), np.empty(K // 32, np.int32)
     B.quantize_q8_k(rng.standard_normal(K).astype(np.float32), xq, xd, xb)
+    xq8, x16 = np.empty(K, np.int8), np.empty(K // 16, np.int16)
+    B.pack_q8_k(xq, xq8, x16)
     tab16, _ = B.conversion_tables()
-    for name, qtype, wrap, kernels in (
-            ("Q4_K", T.Q4_K, _rows_q4, (B._dot_q4_k_q8_portable, B._dot_q4_k_q8_avx2)),
-            ("Q5_K", T.Q5_K, _rows_q4, (B._dot_q5_k_q8_portable, B._dot_q5_k_q8_avx2)),
-            ("Q6_K", T.Q6_K, _rows_q6, (B._dot_q6_k_q8_portable, B._dot_q6_k_q8_avx2))):
+    for name, qtype, kernels in (
+            ("Q4_K", T.Q4_K, (B._dot_q4_k_q8_portable, B._dot_q4_k_q8_avx2)),
+            ("Q5_K", T.Q5_K, (B._dot_q5_k_q8_portable, B._dot_q5_k_q8_avx2)),
+            ("Q6_K", T.Q6_K, (B._dot_q6_k_q8_portable, B._dot_q6_k_q8_avx2))):
         W = np.asarray(quantize(rng.standard_normal((R, K)).astype(np.float32), qtype)).reshape(R, -1)
-        runs = {tag: (wrap(k), np.empty(R, np.float32)) for tag, k in zip(("portable", "avx2"), kernels)}
+        runs = {tag: (_rows(k), np.empty(R, np.float32)) for tag, k in zip(("portable", "avx2"), kernels)}
         for run, out in runs.values():
-            run(W, xq, xd, xb, tab16, out)  # compile
+            run(W, xq, xq8, xd, xb, x16, tab16, out)  # compile
         gbs = {tag: [] for tag in runs}
         for _ in range(a.rounds):
             for tag, (run, out) in runs.items():
                 ts = []
                 for _ in range(a.reps):
                     t0 = time.perf_counter()
-                    run(W, xq, xd, xb, tab16, out)
+                    run(W, xq, xq8, xd, xb, x16, tab16, out)
                     ts.append(time.perf_counter() - t0)
                 gbs[tag].append(round(W.nbytes / float(np.median(ts)) / 1e9, 2))
         (_, o1), (_, o2) = runs.values()

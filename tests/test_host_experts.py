@@ -229,7 +229,7 @@ def test_f16_round_matches_numpy():
     np.testing.assert_array_equal(got, want)
 
 
-# the q8 row kernels the host picks (AVX2 block sums where it has them) and the portable ones
+# the q8 row kernels the host picks (AVX2 row dots where it has them) and the portable ones
 Q8_IMPLS = {"picked": (B.dot_q4_k_q8, B.dot_q5_k_q8, B.dot_q6_k_q8),
             "portable": (B._dot_q4_k_q8_portable, B._dot_q5_k_q8_portable, B._dot_q6_k_q8_portable)}
 
@@ -255,11 +255,17 @@ def test_row_dots_against_dequantized_rows(qtype, impl):
     else:
         xq, xd, xb = np.empty(K, np.int16), np.empty(K // 256, np.float32), np.empty(K // 32, np.int32)
         B.quantize_q8_k(x, xq, xd, xb)
+        xq8, x16 = np.empty(K, np.int8), np.empty(K // 16, np.int16)
+        B.pack_q8_k(xq, xq8, x16)
+        np.testing.assert_array_equal(xq8, xq)
+        np.testing.assert_array_equal(x16, xq.reshape(-1, 16).sum(1))
         v8 = R.act_q8_k(x)[0]
     f32_dot = {T.Q4_K: lambda r: B.dot_q4_k_f32(r, x, xs, tab16), T.Q5_K: lambda r: B.dot_q5_k_f32(r, x, xs, tab16),
                T.Q6_K: lambda r: B.dot_q6_k_f32(r, x, tab16), T.Q8_0: lambda r: B.dot_q8_0_f32(r, x, tab16)}[qtype]
-    q8_dot = {T.Q4_K: lambda r: dot_q4_k_q8(r, xq, xd, xb, tab16), T.Q5_K: lambda r: dot_q5_k_q8(r, xq, xd, xb, tab16),
-              T.Q6_K: lambda r: dot_q6_k_q8(r, xq, xd, tab16), T.Q8_0: lambda r: B.dot_q8_0_q8(r, xq, xd, tab16)}[qtype]
+    q8_dot = {T.Q4_K: lambda r: dot_q4_k_q8(r, xq, xq8, xd, xb, x16, tab16),
+              T.Q5_K: lambda r: dot_q5_k_q8(r, xq, xq8, xd, xb, x16, tab16),
+              T.Q6_K: lambda r: dot_q6_k_q8(r, xq, xq8, xd, xb, x16, tab16),
+              T.Q8_0: lambda r: B.dot_q8_0_q8(r, xq, xd, tab16)}[qtype]
     for r in range(4):
         for dot, v in ((f32_dot, x), (q8_dot, v8)):
             kind = "f32" if v is x else R.act_kind(qtype, "q8")

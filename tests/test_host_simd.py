@@ -1,7 +1,13 @@
-"""The AVX2 block sums (host/simd.py) against integer sums computed here with NumPy from the
-GGUF block layout, on random bytes (every bit pattern of quants, scales and mins) and on the
-extremes that would overflow a lane if a product or pair sum did not fit (all quants at their
-maximum against activations of -128 and 127). Exact: these are integers."""
+"""The AVX2 row dots (host/simd.py) against the same sums computed here with NumPy from the GGUF
+block layout: the block integers exactly (int64), their float combination in float64. On random
+bytes (every bit pattern of quants, scales and mins; d and dmin set to finite float16 values) and on
+the extremes that would overflow a lane if a product or pair sum did not fit (all quants and
+scales at their maximum against activations of -128 and 127).
+
+Tolerance: each block's eight lanes are exact integers below 2^25 (one rounding at most in the
+conversion), scaled by ``xd_b d_b`` (two roundings) and summed over blocks and lanes in float32:
+at most ``4 + n_blocks + 3`` roundings of 2^-24, relative to the sum of every product's absolute
+value (which bounds every partial sum: the lanes' signs may cancel)."""
 
 import numpy as np
 import pytest
@@ -13,18 +19,18 @@ pytestmark = pytest.mark.skipif(not simd.HAS_AVX2, reason="the host CPU has no A
 
 
 @njit
-def _q4k_sums(row, o, xq, x0, xb, j):
-    return simd.q4k_block_sums(row, o, xq, x0, xb, j)
+def _q4k(row, xq8, xd, xb):
+    return simd.q4k_row_dot(row, xq8, xd, xb)
 
 
 @njit
-def _q5k_sums(row, o, xq, x0, xb, j):
-    return simd.q5k_block_sums(row, o, xq, x0, xb, j)
+def _q5k(row, xq8, xd, xb):
+    return simd.q5k_row_dot(row, xq8, xd, xb)
 
 
 @njit
-def _q6k_sum(row, o, xq, x0):
-    return simd.q6k_block_sum(row, o, xq, x0)
+def _q6k(row, xq8, xd, x16):
+    return simd.q6k_row_dot(row, xq8, xd, x16)
 
 
 def k_ints(block: np.ndarray, x: np.ndarray) -> tuple[int, int]:
@@ -42,8 +48,9 @@ def k_ints(block: np.ndarray, x: np.ndarray) -> tuple[int, int]:
     return int((s * (q * xs).sum(1)).sum()), int((m * xs.sum(1)).sum())
 
 
-def q6k_int(block: np.ndarray, x: np.ndarray) -> int:
-    """sum over the 16 sub-blocks of c_k sum_l (q - 32) x, from 210 bytes."""
+def q6k_int(block: np.ndarray, x: np.ndarray, absolute: bool = False) -> int:
+    """sum over the 16 sub-blocks of c_k sum_l (q - 32) x, from 210 bytes (of |c_k (q - 32) x|
+    with ``absolute``)."""
     ql = block[0:128].astype(np.int64)
     qh = block[128:192].astype(np.int64)
     c = block[192:208].view(np.int8).astype(np.int64)
@@ -52,31 +59,62 @@ def q6k_int(block: np.ndarray, x: np.ndarray) -> int:
         l0, l1, hb = ql[64 * h:64 * h + 32], ql[64 * h + 32:64 * h + 64], qh[32 * h:32 * h + 32]
         for g, low in enumerate((l0 & 15, l1 & 15, l0 >> 4, l1 >> 4)):
             q[128 * h + 32 * g:128 * h + 32 * g + 32] = low | (((hb >> (2 * g)) & 3) << 4)
-    return int((np.repeat(c, 16) * (q - 32) * x.astype(np.int64)).sum())
+    prods = np.repeat(c, 16) * (q - 32) * x.astype(np.int64)
+    return int(np.abs(prods).sum() if absolute else prods.sum())
 
 
-def _cases(rng, block_bytes):
-    for _ in range(50):
-        yield rng.integers(0, 256, block_bytes, dtype=np.uint8), rng.integers(-128, 128, 256).astype(np.int16)
-    top = np.full(block_bytes, 255, np.uint8)
-    for v in (-128, 127):
-        yield top, np.full(256, v, np.int16)
+def _f16(block, at, rng):
+    """Write a random finite float16 (either sign, 2^-8 to 2^2) at byte ``at``; return its value."""
+    v = np.float16(rng.choice([-1, 1]) * 2.0 ** rng.uniform(-8, 2))
+    block[at:at + 2] = np.frombuffer(v.tobytes(), np.uint8)
+    return float(v)
+
+
+def _rows(rng, block_bytes, n_random=40):
+    """(row of 4 blocks, int8 activations [1024], xd [4]): random blocks, then all-0xFF blocks
+    against all -128 and all 127."""
+    for case in range(n_random + 2):
+        if case < n_random:
+            row = rng.integers(0, 256, 4 * block_bytes, dtype=np.uint8)
+            x = rng.integers(-128, 128, 1024).astype(np.int8)
+        else:
+            row = np.full(4 * block_bytes, 255, np.uint8)
+            x = np.full(1024, -128 if case == n_random else 127, np.int8)
+        yield row, x, (2.0 ** rng.uniform(-10, 0, 4)).astype(np.float32)
+
+
+def _check(got, terms, magnitude, n_blocks):
+    tol = (4 + n_blocks + 3) * 2.0 ** -24 * magnitude
+    assert abs(float(got) - sum(terms)) <= tol, (got, sum(terms), tol)
 
 
 @pytest.mark.parametrize("block_bytes", [144, 176])
-def test_q4k_q5k_block_sums_exact(block_bytes):
+def test_q4k_q5k_row_dots(block_bytes):
     rng = np.random.default_rng(block_bytes)
-    sums = _q4k_sums if block_bytes == 144 else _q5k_sums
-    for block, x in _cases(rng, block_bytes):
-        row = np.concatenate([rng.integers(0, 256, block_bytes, dtype=np.uint8), block])  # the 2nd block
-        xq = np.concatenate([np.zeros(256, np.int16), x])
-        xb = np.concatenate([np.zeros(8, np.int32), x.reshape(8, 32).sum(1).astype(np.int32)])
-        assert sums(row, block_bytes, xq, 256, xb, 8) == k_ints(block, x)
+    dot = _q4k if block_bytes == 144 else _q5k
+    for row, x, xd in _rows(rng, block_bytes):
+        xb = x.astype(np.int32).reshape(-1, 32).sum(1).astype(np.int32)
+        terms, magnitude = [], 0.0
+        for b in range(4):
+            blk = row[b * block_bytes:(b + 1) * block_bytes]
+            d, dmin = _f16(blk, 0, rng), _f16(blk, 2, rng)
+            xs = x[256 * b:256 * (b + 1)]
+            s, m = k_ints(blk, xs)
+            abs_s, abs_m = k_ints(blk, np.abs(xs.astype(np.int64)))  # scales, mins and quants are >= 0
+            terms += [float(xd[b]) * d * s, -float(xd[b]) * dmin * m]
+            magnitude += float(xd[b]) * (abs(d) * abs_s + abs(dmin) * abs_m)
+        _check(dot(row, x, xd, xb), terms, magnitude, 4)
 
 
-def test_q6k_block_sum_exact():
+def test_q6k_row_dot():
     rng = np.random.default_rng(1)
-    for block, x in _cases(rng, 210):
-        row = np.concatenate([rng.integers(0, 256, 210, dtype=np.uint8), block])
-        xq = np.concatenate([np.zeros(256, np.int16), x])
-        assert _q6k_sum(row, 210, xq, 256) == q6k_int(block, x)
+    for row, x, xd in _rows(rng, 210):
+        x16 = x.astype(np.int16).reshape(-1, 16).sum(1).astype(np.int16)
+        terms, magnitude = [], 0.0
+        for b in range(4):
+            blk = row[b * 210:(b + 1) * 210]
+            d = _f16(blk, 208, rng)
+            xs = x[256 * b:256 * (b + 1)]
+            terms.append(float(xd[b]) * d * q6k_int(blk, xs))
+            magnitude += float(xd[b]) * abs(d) * q6k_int(blk, xs, absolute=True)
+        _check(_q6k(row, x, xd, x16), terms, magnitude, 4)

@@ -30,8 +30,10 @@ Q4_K/Q5_K min term, summed inside the block loop, stopped the quant loop from ve
 ("value that could not be identified as reduction"): it is a loop of its own. No vpmaddubsw or
 vpdpbusd: LLVM does not form them from plain code, so the 8-bit products go through int16.
 Where the CPU has AVX2, ``dot_q4_k_q8``, ``dot_q5_k_q8`` and ``dot_q6_k_q8`` are the ``_avx2``
-kernels, whose block sums are ``host.simd``'s vector IR (vpmaddubsw + vpmaddwd; 1.7x a core from L2, same
-integers); the ``_portable`` ones serve the rest and are tested on every machine.
+kernels, ``host.simd``'s row dots in vector IR (vpmaddubsw + vpmaddwd on int8 activations, float
+lane accumulators; the same block integers), which read :func:`pack_q8_k`'s int8 form of the
+activations; the ``_portable`` ones serve the rest and are tested on every machine. All six take
+``(row, xq, xq8, xd, xb, x16, tab16)``.
 """
 
 from __future__ import annotations
@@ -143,8 +145,9 @@ def dot_q4_k_f32(row, x, xs, tab16):
 
 
 @njit(**_JIT)
-def _dot_q4_k_q8_portable(row, xq, xd, xb, tab16):
-    """Q4_K row · Q8_K x: ``xq`` int16 [K] (8-bit values), ``xd`` float32 [K / 256], ``xb`` int32 [K / 32] sums of xq."""
+def _dot_q4_k_q8_portable(row, xq, xq8, xd, xb, x16, tab16):
+    """Q4_K row · Q8_K x: ``xq`` int16 [K] (8-bit values), ``xd`` float32 [K / 256], ``xb`` int32 [K / 32] sums of xq.
+    (``xq8`` / ``x16``, :func:`pack_q8_k`'s, are the AVX2 kernel's: every K-quant q8 dot takes the same arguments.)"""
     acc = f32(0)
     for b in range(row.shape[0] // 144):
         o = b * 144
@@ -163,28 +166,10 @@ def _dot_q4_k_q8_portable(row, xq, xd, xb, tab16):
     return acc - _k4_min_term(row, 144, xd, xb, tab16)
 
 
-@njit(inline="always")
-def _k4_dot_q8_avx2(row, xq, xd, xb, tab16, block_bytes):
-    """Q4_K (``block_bytes`` 144) or Q5_K (176) row · Q8_K x with the block sums of
-    ``simd.q4k_block_sums`` / ``q5k_block_sums`` (the portable kernels' integers); quant and min
-    terms are summed over blocks in one pass. Inlined with a constant ``block_bytes``, so the
-    format test folds away."""
-    acc = f32(0)
-    macc = f32(0)
-    for b in range(row.shape[0] // block_bytes):
-        o = b * block_bytes
-        if block_bytes == 144:
-            s, m = simd.q4k_block_sums(row, o, xq, b * 256, xb, b * 8)
-        else:
-            s, m = simd.q5k_block_sums(row, o, xq, b * 256, xb, b * 8)
-        acc += xd[b] * _f16(row, o, tab16) * f32(s)
-        macc += xd[b] * _f16(row, o + 2, tab16) * f32(m)
-    return acc - macc
-
-
 @njit(**_JIT)
-def _dot_q4_k_q8_avx2(row, xq, xd, xb, tab16):
-    return _k4_dot_q8_avx2(row, xq, xd, xb, tab16, 144)
+def _dot_q4_k_q8_avx2(row, xq, xq8, xd, xb, x16, tab16):
+    """:func:`_dot_q4_k_q8_portable` by ``simd.q4k_row_dot`` (the same block integers, summed in lanes)."""
+    return simd.q4k_row_dot(row, xq8, xd, xb)
 
 
 dot_q4_k_q8 = _dot_q4_k_q8_avx2 if simd.HAS_AVX2 else _dot_q4_k_q8_portable
@@ -229,7 +214,7 @@ def dot_q5_k_f32(row, x, xs, tab16):
 
 
 @njit(**_JIT)
-def _dot_q5_k_q8_portable(row, xq, xd, xb, tab16):
+def _dot_q5_k_q8_portable(row, xq, xq8, xd, xb, x16, tab16):
     acc = f32(0)
     for b in range(row.shape[0] // 176):
         o = b * 176
@@ -254,8 +239,8 @@ def _dot_q5_k_q8_portable(row, xq, xd, xb, tab16):
 
 
 @njit(**_JIT)
-def _dot_q5_k_q8_avx2(row, xq, xd, xb, tab16):
-    return _k4_dot_q8_avx2(row, xq, xd, xb, tab16, 176)
+def _dot_q5_k_q8_avx2(row, xq, xq8, xd, xb, x16, tab16):
+    return simd.q5k_row_dot(row, xq8, xd, xb)
 
 
 dot_q5_k_q8 = _dot_q5_k_q8_avx2 if simd.HAS_AVX2 else _dot_q5_k_q8_portable
@@ -310,7 +295,7 @@ def dot_q6_k_f32(row, x, tab16):
 
 
 @njit(**_JIT)
-def _dot_q6_k_q8_portable(row, xq, xd, tab16):
+def _dot_q6_k_q8_portable(row, xq, xq8, xd, xb, x16, tab16):
     acc = f32(0)
     for b in range(row.shape[0] // 210):
         o = b * 210
@@ -339,13 +324,9 @@ def _dot_q6_k_q8_portable(row, xq, xd, tab16):
 
 
 @njit(**_JIT)
-def _dot_q6_k_q8_avx2(row, xq, xd, tab16):
-    """:func:`_dot_q6_k_q8_portable` with the block sums of ``simd.q6k_block_sum`` (the same integers)."""
-    acc = f32(0)
-    for b in range(row.shape[0] // 210):
-        o = b * 210
-        acc += xd[b] * (_f16(row, o + 208, tab16) * f32(simd.q6k_block_sum(row, o, xq, b * 256)))
-    return acc
+def _dot_q6_k_q8_avx2(row, xq, xq8, xd, xb, x16, tab16):
+    """:func:`_dot_q6_k_q8_portable` by ``simd.q6k_row_dot`` (the same block integers, summed in lanes)."""
+    return simd.q6k_row_dot(row, xq8, xd, x16)
 
 
 dot_q6_k_q8 = _dot_q6_k_q8_avx2 if simd.HAS_AVX2 else _dot_q6_k_q8_portable
@@ -473,6 +454,19 @@ def quantize_q8_k(x, xq, xd, xb):
             for i in range(32):
                 s += np.int64(xq[x0 + 32 * j + i])
             xb[b * 8 + j] = s
+
+
+@njit(**_JIT)
+def pack_q8_k(xq, xq8, x16):
+    """The AVX2 row dots' form of :func:`quantize_q8_k`'s quants: xq8 int8 [K] (the same values) and
+    x16 int16 [K / 16], their sums per 16 (at most 16 * 128)."""
+    for i in range(xq.shape[0]):
+        xq8[i] = np.int8(xq[i])
+    for g in range(x16.shape[0]):
+        s = i32(0)
+        for i in range(16):
+            s += i32(xq[16 * g + i])
+        x16[g] = i16(s)
 
 
 @njit(**_JIT_EXACT)
