@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # One device call: how XLA's command buffers (CUDA graphs) change the decode step's host dispatch,
-# then the 48-layer bench under the variant with the shortest step.
+# then the 48-layer bench under the variant with the shortest step. The default step's optimized
+# HLO is counted by scripts/hlo_launches.py (what the host launches).
 #
-# A decode step of the 30B-shaped model launches ~2,000 kernels; the step call returned after
-# 14 ms while the card was busy 5 ms (benchmarks/gpu_2026-12-03-s5): the host enqueues kernel by
-# kernel. XLA puts runs of >= 5 fusions into CUDA graphs by default, but a Pallas (Triton) call is
-# not a command, so it cuts every graph short. Variants: default, graphs off, graphs of any size;
-# then the default step's optimized HLO, counted by scripts/hlo_launches.py (what the host
-# launches: graphs, Pallas calls, lone fusions, copies). The flags that would let XLA capture
-# the Triton calls (--legacy_command_buffer_custom_call_targets, --xla_gpu_experimental_enable_
-# command_buffer_on_thunks) are unknown to jaxlib 0.11.2: the 2026-12-03 run aborted on both.
+# A decode step of the 30B-shaped model runs ~1,600 kernels; the step call returned after 14 ms
+# while the card was busy 5 ms (benchmarks/gpu_2026-12-03-s5). The step is one CUDA graph of
+# ~266 commands per 8 layers in this XLA (command buffers are built from the thunk sequence, and
+# a Pallas Triton call is a kernel command: thunk dump of 2026-12-04), yet it costs the host
+# what launching kernel by kernel costs: XLA updates every command whose buffers moved since
+# the last run. The default variant
+# logs which allocations moved and how many commands were updated (graph_updates.log); the
+# SKIP_TEMP / SKIP_PROFILED variants pin the temp buffer (and stable inputs/outputs) to fixed
+# virtual addresses (XLA's VMM allocator).
 #
 #   run: bash scripts/dispatch_probe.sh [--no-bench]   (carry .whl; writes under $OUT)
 #   --no-bench: the 8-layer variants and the HLO count only (no 48-layer file, no bench)
@@ -26,13 +28,18 @@ $S model --layers 8 2>&1 | tail -1 | cut -c1-200
 declare -A FLAGS=(
   [default]=""
   [off]="--xla_gpu_enable_command_buffer="
-  [min1]="--xla_gpu_graph_min_graph_size=1"
+  [skip_temp]="--xla_gpu_command_buffer_update_mode=SKIP_TEMP"
+  [skip_profiled]="--xla_gpu_command_buffer_update_mode=SKIP_PROFILED"
   [dump]="--xla_dump_to=/tmp/probe-hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*"
 )
+# XLA's own account of each execution of the default variant: which allocations moved
+# (gpu_executable), how many graph commands were updated (command_executor, command_buffer_thunk).
+VLOG=command_buffer_thunk=3,command_executor=1,gpu_executable=5
 best="" best_ms=1e9
-for name in default off min1 dump; do
-  XLA_FLAGS="${FLAGS[$name]}" timeout 100 python3 scripts/profile_decode.py --model $M8 --kernels pallas \
-    --steps 32 --no-trace --out /tmp/probe-$name > /tmp/probe-$name.log 2>&1
+for name in default off skip_temp skip_profiled dump; do
+  vmod=""; [ $name = default ] && vmod=$VLOG
+  XLA_FLAGS="${FLAGS[$name]}" TF_CPP_VMODULE=$vmod TF_CPP_MIN_LOG_LEVEL=0 timeout 100 python3 scripts/profile_decode.py \
+    --model $M8 --kernels pallas --steps 32 --no-trace --out /tmp/probe-$name > /tmp/probe-$name.log 2>&1
   rc=$?
   if [ -f /tmp/probe-$name/profile.json ]; then
     ms=$(python3 -c "import json;print(json.load(open('/tmp/probe-$name/profile.json'))['step_ms'])")
@@ -44,6 +51,9 @@ for name in default off min1 dump; do
     echo "{\"variant\": \"$name\", \"rc\": $rc}" >> $OUT/profiles.jsonl
   fi
 done
+grep -E "changed address|Updated [0-9]+ commands|Updated command buffer|needs_update|num_executions" /tmp/probe-default.log \
+  | sed -E 's/^[^]]*\] //' | cut -c1-240 > $OUT/graph_updates.log
+echo "graph log lines: $(wc -l < $OUT/graph_updates.log); last ones:"; tail -4 $OUT/graph_updates.log
 python3 scripts/hlo_launches.py /tmp/probe-hlo | tee $OUT/hlo_launches.json
 echo "best: $best ($best_ms ms) at ${SECONDS}s"
 wait
