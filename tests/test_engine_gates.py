@@ -3,6 +3,8 @@
 1. A batched prefill leaves the same cache and logits as feeding one token per step.
 2. A sequence decoded beside others gives the same greedy tokens (and logits) as decoded alone.
 3. Rollback then re-decode equals never having decoded.
+4. A decode step's outputs keep their device addresses from step to step (each step donates the
+   previous one's), without compiling anything again.
 
 One engine (4 slots, ubatch 16) is shared by the module: it compiles the prefill chunk 16 and
 the decode buckets 2 and 4 once.
@@ -10,6 +12,7 @@ the decode buckets 2 and 4 once.
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
@@ -174,3 +177,29 @@ def test_release_keeps_slots_dense_and_moved_sequence_intact(fresh):
     for _ in range(4):
         eng.decode([seqs[1], seqs[2]])
     assert seqs[2].tokens[: len(cont)] == cont
+
+
+def test_decode_outputs_keep_their_addresses(fresh):
+    """The CUDA-graph reason (engine/steps.py): outputs that move make XLA re-record the nodes that
+    write them. Every output buffer of a bucket-2 decode step is the previous step's, and no step
+    compiles again. (Steps called directly: on the CPU, reading an output on the host maps its
+    buffer into NumPy, and a mapped buffer cannot be donated, so the engine's own steps move the
+    four small SampleOut buffers here; a GPU read copies. The gates above run through the
+    donating steps too, so their values are checked there.)"""
+    from bloomery_jax.engine.steps import _decode
+
+    eng = fresh
+    seq = eng.add(prompt(5, 9), GREEDY)
+    run_prefill(eng, seq)
+    tokens, positions = np.array([seq.tokens[-1], 0], np.int32), np.array([seq.n_cached, S], np.int32)
+    active = np.array([True, False])
+    addresses = []
+    for i in range(4):
+        eng.cache, eng.sampler, *_ = eng.steps.decode(eng.params, eng.cache, eng.sampler, None, tokens,
+                                                      positions + i, active)
+        addresses.append([x.unsafe_buffer_pointer() for x in jax.tree.leaves(eng.steps._spare[2])])
+        if i == 0:
+            compiled = _decode._cache_size()
+    assert len(addresses[0]) >= 5 and all(a == addresses[0] for a in addresses[1:]), addresses
+    assert _decode._cache_size() == compiled
+    eng.rollback(seq, len(seq.tokens))  # the slot's length back to what the engine knows

@@ -15,6 +15,13 @@ device, and return the cache and sampler state, which are donated (updated in pl
 Each returns ``(cache, sampler, SampleOut, logits of the sampled positions, routing)``. Shapes
 are static per chunk length T and bucket b; slots, positions and flags are traced, so requests
 coming and going never recompile.
+
+A decode step's outputs (SampleOut, logits, routing) live until the next decode step of the
+same bucket, which donates their buffers to hold its own: every output then keeps one device
+address from step to step. Why: the step runs as a CUDA graph, and XLA re-records every graph
+node whose buffers moved since the last run (on the H200, 106 of an 8-layer step's 266 nodes,
+0.5-0.9 ms a step, while the outputs were fresh buffers: docs/LOG.md, 2026-12-04). Read what you
+need from one step (the engine copies the token and the routing to the host) before the next.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import sampling
 from .cache import SlotCache
@@ -44,14 +52,23 @@ class StepFunctions:
         self.forward = forward
         self.cfg = cfg
         self.n_top = n_top
+        self._spare: dict[int, tuple] = {}  # bucket -> the last decode's outputs, donated to the next
 
     def prefill(self, params, cache, sampler, placement, tokens, positions, slot, last, final):
         return _prefill(self.forward, self.cfg, self.n_top, params, cache, sampler, placement,
                         tokens, positions, slot, last, final)
 
     def decode(self, params, cache, sampler, placement, tokens, positions, active):
-        return _decode(self.forward, self.cfg, self.n_top, params, cache, sampler, placement,
-                       tokens, positions, active)
+        args = (params, cache, sampler, placement, tokens, positions, active)
+        b = int(np.shape(tokens)[0])
+        spare = self._spare.pop(b, None)
+        if spare is None:  # the bucket's first step: zeros of the outputs' shapes, committed like them
+            shapes = jax.eval_shape(lambda *a: _decode_step(self.forward, self.cfg, self.n_top, *a)[2:], *args)
+            sharding = jax.tree.leaves(cache)[0].sharding
+            spare = jax.device_put(jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes), sharding)
+        cache, sampler, out, logits, routing = _decode(self.forward, self.cfg, self.n_top, *args, spare)
+        self._spare[b] = (out, logits, routing)
+        return cache, sampler, out, logits, routing
 
     @staticmethod
     def set_row(sampler, slot, row):
@@ -79,8 +96,7 @@ def _prefill(forward, cfg, n_top, params, cache: SlotCache, sampler, placement, 
     return view.window(0, n_slots), sampler, out, row_logits, routing
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=_DONATE)
-def _decode(forward, cfg, n_top, params, cache: SlotCache, sampler, placement, tokens, positions, active):
+def _decode_step(forward, cfg, n_top, params, cache: SlotCache, sampler, placement, tokens, positions, active):
     b = tokens.shape[0]
     n_slots = cache.n_slots
     logits, view, routing = forward(params, cfg, tokens[:, None], positions[:, None], cache.window(0, b), placement)
@@ -88,6 +104,14 @@ def _decode(forward, cfg, n_top, params, cache: SlotCache, sampler, placement, t
     out = sampling.sample(step_logits, sampling.take_rows(sampler, 0, b), n_top)
     sampler = sampling.advance(sampler, out.token, active, start=0)
     return view.window(0, n_slots), sampler, out, step_logits, routing
+
+
+# ``spare``: the previous step's outputs, unread; donated so that XLA writes this step's outputs
+# into them. jit drops unread arguments unless told to keep them, and a dropped one aliases nothing.
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=_DONATE + ("spare",), keep_unused=True)
+def _decode(forward, cfg, n_top, params, cache: SlotCache, sampler, placement, tokens, positions, active, spare):
+    del spare
+    return _decode_step(forward, cfg, n_top, params, cache, sampler, placement, tokens, positions, active)
 
 
 _set_row = jax.jit(sampling.set_row, donate_argnums=0)
