@@ -24,6 +24,7 @@ from gguf import GGMLQuantizationType as T
 from bloomery_jax.host import HostExpertLayer, HostTensor, host_moe_swiglu
 from bloomery_jax.host import blocks as B
 from bloomery_jax.host import reference as R
+from bloomery_jax.host import simd
 from bloomery_jax.ops.actquant import round_activations
 from bloomery_jax.quant import quantize
 
@@ -229,13 +230,14 @@ def test_f16_round_matches_numpy():
     np.testing.assert_array_equal(got, want)
 
 
-# the q8 row kernels the host picks (AVX2 row dots where it has them) and the portable ones
-Q8_IMPLS = {"picked": (B.dot_q4_k_q8, B.dot_q5_k_q8, B.dot_q6_k_q8),
-            "portable": (B._dot_q4_k_q8_portable, B._dot_q5_k_q8_portable, B._dot_q6_k_q8_portable)}
+# the K-quant q8 row kernels: each one this CPU can run (the host picks one of them at import)
+Q8_IMPLS = {tag: tuple(getattr(B, f"_dot_{q}_q8_{tag}") for q in ("q4_k", "q5_k", "q6_k"))
+            for tag, ok in (("portable", True), ("avx2", simd.HAS_AVX2), ("avx512", simd.HAS_AVX512BW)) if ok}
+Q8_IMPLS["picked"] = (B.dot_q4_k_q8, B.dot_q5_k_q8, B.dot_q6_k_q8)
 
 
-@pytest.mark.parametrize("qtype, impl", [(T.Q4_K, "picked"), (T.Q5_K, "picked"), (T.Q6_K, "picked"), (T.Q8_0, "picked"),
-                                         (T.Q4_K, "portable"), (T.Q5_K, "portable"), (T.Q6_K, "portable")])
+@pytest.mark.parametrize("qtype, impl", [(T.Q8_0, "picked")] + [(q, impl) for impl in Q8_IMPLS if impl != "picked"
+                                                                for q in (T.Q4_K, T.Q5_K, T.Q6_K)])
 def test_row_dots_against_dequantized_rows(qtype, impl):
     """Each format's two row kernels alone, against the dequantized row (512 columns, 4 rows)."""
     dot_q4_k_q8, dot_q5_k_q8, dot_q6_k_q8 = Q8_IMPLS[impl]

@@ -22,3 +22,11 @@ def test_stamp_changes_with_any_module(tmp_path, monkeypatch):
     before = numba_cache.package_stamp()
     (tmp_path / "simd.py").write_text("# simd.py, edited\n")
     assert numba_cache.package_stamp() != before
+
+
+def test_stamp_changes_with_the_isa_cap(monkeypatch):
+    """BLOOMERY_HOST_ISA changes which row kernels the layer kernel inlines, not any source."""
+    monkeypatch.delenv("BLOOMERY_HOST_ISA", raising=False)
+    default = numba_cache.package_stamp()
+    monkeypatch.setenv("BLOOMERY_HOST_ISA", "avx2")
+    assert numba_cache.package_stamp() != default

@@ -1,4 +1,4 @@
-"""The AVX2 row dots (host/simd.py) against the same sums computed here with NumPy from the GGUF
+"""The AVX2 and AVX-512 row dots (host/simd.py) against the same sums computed here with NumPy from the GGUF
 block layout: the block integers exactly (int64), their float combination in float64. On random
 bytes (every bit pattern of quants, scales and mins; d and dmin set to finite float16 values) and on
 the extremes that would overflow a lane if a product or pair sum did not fit (all quants and
@@ -31,6 +31,24 @@ def _q5k(row, xq8, xd, xb):
 @njit
 def _q6k(row, xq8, xd, x16):
     return simd.q6k_row_dot(row, xq8, xd, x16)
+
+
+@njit
+def _q4k_wide(row, xq8, xd, xb):
+    return simd.q4k_row_dot_wide(row, xq8, xd, xb)
+
+
+@njit
+def _q5k_wide(row, xq8, xd, xb):
+    return simd.q5k_row_dot_wide(row, xq8, xd, xb)
+
+
+@njit
+def _q6k_wide(row, xq8, xd, x16):
+    return simd.q6k_row_dot_wide(row, xq8, xd, x16)
+
+
+WIDTHS = [False, pytest.param(True, marks=pytest.mark.skipif(not simd.HAS_AVX512BW, reason="no AVX-512BW"))]
 
 
 def k_ints(block: np.ndarray, x: np.ndarray) -> tuple[int, int]:
@@ -88,10 +106,11 @@ def _check(got, terms, magnitude, n_blocks):
     assert abs(float(got) - sum(terms)) <= tol, (got, sum(terms), tol)
 
 
+@pytest.mark.parametrize("wide", WIDTHS)
 @pytest.mark.parametrize("block_bytes", [144, 176])
-def test_q4k_q5k_row_dots(block_bytes):
+def test_q4k_q5k_row_dots(block_bytes, wide):
     rng = np.random.default_rng(block_bytes)
-    dot = _q4k if block_bytes == 144 else _q5k
+    dot = {(144, False): _q4k, (176, False): _q5k, (144, True): _q4k_wide, (176, True): _q5k_wide}[block_bytes, wide]
     for row, x, xd in _rows(rng, block_bytes):
         xb = x.astype(np.int32).reshape(-1, 32).sum(1).astype(np.int32)
         terms, magnitude = [], 0.0
@@ -106,8 +125,10 @@ def test_q4k_q5k_row_dots(block_bytes):
         _check(dot(row, x, xd, xb), terms, magnitude, 4)
 
 
-def test_q6k_row_dot():
+@pytest.mark.parametrize("wide", WIDTHS)
+def test_q6k_row_dot(wide):
     rng = np.random.default_rng(1)
+    dot = _q6k_wide if wide else _q6k
     for row, x, xd in _rows(rng, 210):
         x16 = x.astype(np.int16).reshape(-1, 16).sum(1).astype(np.int16)
         terms, magnitude = [], 0.0
@@ -117,4 +138,4 @@ def test_q6k_row_dot():
             xs = x[256 * b:256 * (b + 1)]
             terms.append(float(xd[b]) * d * q6k_int(blk, xs))
             magnitude += float(xd[b]) * abs(d) * q6k_int(blk, xs, absolute=True)
-        _check(_q6k(row, x, xd, x16), terms, magnitude, 4)
+        _check(dot(row, x, xd, x16), terms, magnitude, 4)

@@ -29,16 +29,18 @@ fit 16 bits: hence ``_p16`` and sign extensions instead of arithmetic for int8 s
 Q4_K/Q5_K min term, summed inside the block loop, stopped the quant loop from vectorizing at all
 ("value that could not be identified as reduction"): it is a loop of its own. No vpmaddubsw or
 vpdpbusd: LLVM does not form them from plain code, so the 8-bit products go through int16.
-Where the CPU has AVX2, ``dot_q4_k_q8``, ``dot_q5_k_q8`` and ``dot_q6_k_q8`` are the ``_avx2``
-kernels, ``host.simd``'s row dots in vector IR (vpmaddubsw + vpmaddwd on int8 activations, float
-lane accumulators; the same block integers), which read :func:`pack_q8_k`'s int8 form of the
-activations; the ``_portable`` ones serve the rest and are tested on every machine. All six take
-``(row, xq, xq8, xd, xb, x16, tab16)``.
+Where the CPU has AVX2, ``dot_q4_k_q8``, ``dot_q5_k_q8`` and ``dot_q6_k_q8`` are ``host.simd``'s row
+dots in vector IR (vpmaddubsw + vpmaddwd on int8 activations, float lane accumulators; the same
+block integers), which read :func:`pack_q8_k`'s int8 form of the activations: the ``_avx512``
+kernels (64 quants an instruction) where it has AVX-512BW, else the ``_avx2`` ones (32); the
+``_portable`` ones serve the rest (``BLOOMERY_HOST_ISA=avx2|portable`` caps the choice, for A/B
+runs). Every variant the CPU can run is tested. All take ``(row, xq, xq8, xd, xb, x16, tab16)``.
 """
 
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 from numba import njit
@@ -57,6 +59,19 @@ QK_K = 256
 _JIT = dict(cache=True, fastmath=True, nogil=True)
 # The activation quantizers must round exactly like ggml (no reassociation, no reciprocal estimates).
 _JIT_EXACT = dict(cache=True, fastmath=False, nogil=True)
+
+
+# BLOOMERY_HOST_ISA=avx2 or =portable caps the pick below (for A/B runs; read at import).
+_ISA_CAP = os.environ.get("BLOOMERY_HOST_ISA", "avx512")
+if _ISA_CAP not in ("avx512", "avx2", "portable"):
+    raise ValueError(f"BLOOMERY_HOST_ISA must be avx512, avx2 or portable, got {_ISA_CAP!r}")
+
+
+def _pick(avx512, avx2, portable):
+    """The widest row kernel this CPU has, within BLOOMERY_HOST_ISA (see the module docstring)."""
+    if simd.HAS_AVX512BW and _ISA_CAP == "avx512":
+        return avx512
+    return avx2 if simd.HAS_AVX2 and _ISA_CAP != "portable" else portable
 
 
 def conversion_tables() -> tuple[np.ndarray, np.ndarray]:
@@ -172,7 +187,13 @@ def _dot_q4_k_q8_avx2(row, xq, xq8, xd, xb, x16, tab16):
     return simd.q4k_row_dot(row, xq8, xd, xb)
 
 
-dot_q4_k_q8 = _dot_q4_k_q8_avx2 if simd.HAS_AVX2 else _dot_q4_k_q8_portable
+@njit(**_JIT)
+def _dot_q4_k_q8_avx512(row, xq, xq8, xd, xb, x16, tab16):
+    """:func:`_dot_q4_k_q8_avx2` 64 quants an instruction (zmm)."""
+    return simd.q4k_row_dot_wide(row, xq8, xd, xb)
+
+
+dot_q4_k_q8 = _pick(_dot_q4_k_q8_avx512, _dot_q4_k_q8_avx2, _dot_q4_k_q8_portable)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,7 +264,12 @@ def _dot_q5_k_q8_avx2(row, xq, xq8, xd, xb, x16, tab16):
     return simd.q5k_row_dot(row, xq8, xd, xb)
 
 
-dot_q5_k_q8 = _dot_q5_k_q8_avx2 if simd.HAS_AVX2 else _dot_q5_k_q8_portable
+@njit(**_JIT)
+def _dot_q5_k_q8_avx512(row, xq, xq8, xd, xb, x16, tab16):
+    return simd.q5k_row_dot_wide(row, xq8, xd, xb)
+
+
+dot_q5_k_q8 = _pick(_dot_q5_k_q8_avx512, _dot_q5_k_q8_avx2, _dot_q5_k_q8_portable)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -329,7 +355,12 @@ def _dot_q6_k_q8_avx2(row, xq, xq8, xd, xb, x16, tab16):
     return simd.q6k_row_dot(row, xq8, xd, x16)
 
 
-dot_q6_k_q8 = _dot_q6_k_q8_avx2 if simd.HAS_AVX2 else _dot_q6_k_q8_portable
+@njit(**_JIT)
+def _dot_q6_k_q8_avx512(row, xq, xq8, xd, xb, x16, tab16):
+    return simd.q6k_row_dot_wide(row, xq8, xd, x16)
+
+
+dot_q6_k_q8 = _pick(_dot_q6_k_q8_avx512, _dot_q6_k_q8_avx2, _dot_q6_k_q8_portable)
 
 
 # ---------------------------------------------------------------------------------------------

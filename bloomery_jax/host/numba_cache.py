@@ -5,7 +5,8 @@ inlines the row dots of ``blocks`` and the vector IR of ``simd``, so after an ed
 cached machine code would silently keep the old kernels (it did, once: an A/B that measured
 nothing). :func:`install` puts locators first in Numba's list (its own two: ``NUMBA_CACHE_DIR``, then
 the package's ``__pycache__``) that, for the files of this
-package, stamps the cache with the hash of all of them together. It uses Numba's cache-locator
+package, stamps the cache with the hash of all of them together (and of ``BLOOMERY_HOST_ISA``,
+which changes what the layer kernel inlines without changing a source). It uses Numba's cache-locator
 classes (``numba.core.caching``), which are not public API: where they are missing, nothing is
 installed and the plain per-file behaviour stays.
 """
@@ -13,14 +14,16 @@ installed and the plain per-file behaviour stays.
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 HOST_DIR = Path(__file__).resolve().parent
 
 
 def package_stamp() -> bytes:
-    """SHA-256 over the sources of every module of this package, in name order."""
-    h = hashlib.sha256()
+    """SHA-256 over the sources of every module of this package, in name order, and over the
+    settings that choose which row kernels the layer kernel inlines (``BLOOMERY_HOST_ISA``)."""
+    h = hashlib.sha256(os.environ.get("BLOOMERY_HOST_ISA", "").encode())
     for path in sorted(HOST_DIR.glob("*.py")):
         h.update(path.name.encode())
         h.update(path.read_bytes())
