@@ -31,10 +31,10 @@ Q4_K/Q5_K min term, summed inside the block loop, stopped the quant loop from ve
 vpdpbusd: LLVM does not form them from plain code, so the 8-bit products go through int16.
 Where the CPU has AVX2, ``dot_q4_k_q8``, ``dot_q5_k_q8`` and ``dot_q6_k_q8`` are ``host.simd``'s row
 dots in vector IR (vpmaddubsw + vpmaddwd on int8 activations, float lane accumulators; the same
-block integers), which read :func:`pack_q8_k`'s int8 form of the activations: the ``_avx512``
-kernels (64 quants an instruction) where it has AVX-512BW, else the ``_avx2`` ones (32); the
-``_portable`` ones serve the rest (``BLOOMERY_HOST_ISA=avx2|portable`` caps the choice, for A/B
-runs). Every variant the CPU can run is tested. All take ``(row, xq, xq8, xd, xb, x16, tab16)``.
+block integers), which read :func:`pack_q8_k`'s int8 form of the activations: the ``_avx2``
+kernels (32 quants an instruction), or with ``BLOOMERY_HOST_ISA=avx512`` the ``_avx512`` ones (64,
+where the CPU has AVX-512BW); the ``_portable`` ones serve the rest (and ``=portable``). Every
+variant the CPU can run is tested. All take ``(row, xq, xq8, xd, xb, x16, tab16)``.
 """
 
 from __future__ import annotations
@@ -61,17 +61,20 @@ _JIT = dict(cache=True, fastmath=True, nogil=True)
 _JIT_EXACT = dict(cache=True, fastmath=False, nogil=True)
 
 
-# BLOOMERY_HOST_ISA=avx2 or =portable caps the pick below (for A/B runs; read at import).
-_ISA_CAP = os.environ.get("BLOOMERY_HOST_ISA", "avx512")
-if _ISA_CAP not in ("avx512", "avx2", "portable"):
-    raise ValueError(f"BLOOMERY_HOST_ISA must be avx512, avx2 or portable, got {_ISA_CAP!r}")
+# BLOOMERY_HOST_ISA (read at import): "avx2" (default), "avx512" (zmm kernels where the CPU has
+# AVX-512BW) or "portable". AVX2 is the default because it ran the whole layer faster on the one
+# AVX-512 Xeon measured (16 threads, 2026-12-04: 0.348 against 0.383 ms a token, 1.67 against
+# 1.85 ms for eight), though a zmm Q6_K row ran 1.2x from L2 there and the VM's Zen 4 gains 1.1x.
+HOST_ISA = os.environ.get("BLOOMERY_HOST_ISA", "avx2")
+if HOST_ISA not in ("avx512", "avx2", "portable"):
+    raise ValueError(f"BLOOMERY_HOST_ISA must be avx2, avx512 or portable, got {HOST_ISA!r}")
 
 
 def _pick(avx512, avx2, portable):
-    """The widest row kernel this CPU has, within BLOOMERY_HOST_ISA (see the module docstring)."""
-    if simd.HAS_AVX512BW and _ISA_CAP == "avx512":
+    """The row kernel BLOOMERY_HOST_ISA asks for, or the next narrower one this CPU has."""
+    if simd.HAS_AVX512BW and HOST_ISA == "avx512":
         return avx512
-    return avx2 if simd.HAS_AVX2 and _ISA_CAP != "portable" else portable
+    return avx2 if simd.HAS_AVX2 and HOST_ISA != "portable" else portable
 
 
 def conversion_tables() -> tuple[np.ndarray, np.ndarray]:

@@ -18,9 +18,11 @@ block is an exact integer (Q4_K/Q5_K lanes below 2^23; Q6_K's below 2^25, where 
 to float may round once). Activations in ``blocks.pack_q8_k``'s form: ``xq8`` int8 ``[K]``,
 ``xd`` float32 ``[K / 256]``, ``xb`` int32 sums per 32, ``x16`` int16 sums per 16. The
 intrinsics exist only where the host CPU has AVX2 (:data:`HAS_AVX2`); the ``_wide`` ones take 64
-quants an instruction on zmm and need AVX-512BW (:data:`HAS_AVX512BW`; 1.06-1.13x a core from L2
-on the znver4 VM, which splits zmm work in two). ``blocks`` picks at import, and the portable
-kernels stay the rest's.
+quants an instruction on zmm and need AVX-512BW (:data:`HAS_AVX512BW`). A core from L2, zmm
+against ymm: 1.06-1.13x on the znver4 VM (which splits zmm work in two); on the H200 host's
+Xeon 1.0x for Q4_K/Q5_K and 1.2x for Q6_K, yet the whole 16-thread layer ran 10 % slower, so
+``blocks`` picks the AVX2 ones unless ``BLOOMERY_HOST_ISA=avx512``; the portable kernels serve
+CPUs without AVX2.
 """
 
 from __future__ import annotations

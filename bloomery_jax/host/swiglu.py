@@ -36,9 +36,10 @@ float32 sum measured in the same run (30 GB/s with 2 threads, 28 with 1):
 
 q8 was faster in every case (1.1-1.45x), hence ``DEFAULT_ACT = "q8"``. Those numbers are the portable
 kernels'; on AVX2 CPUs the K-quant q8 row dots are ``host.simd``'s (vector IR on int8
-activations): 1.5-1.9x the whole layer on the same VM with their first form (2026-12-03), and on
-the H200 host's 16 Xeon cores 55-59 GB/s, 0.59-0.63 of its read bandwidth, with the second
-(docs/LOG.md, 2026-12-04). The kernels are
+activations): 1.5-1.9x the whole layer on the same VM with their first form (2026-12-03); with the
+second, on the H200 host's 16 Xeon cores, 55-70 GB/s for one token and 59-95 GB/s for eight
+(0.59-0.67 and 0.63-0.90 of the read bandwidth measured in the same run; the hosts lent differ
+from call to call: docs/LOG.md, 2026-12-04). The kernels are
 compute-bound on this machine (one core runs Q4_K_M at ~6 GB/s, Q8_0 at ~11-20). N = 64 ran at
 1.6-4.5 GB/s of distinct bytes when every (token, expert) pair paid the full dot-product cost;
 the multi-token path (decode a row once, dot it with the expert's tokens) is what prefill uses
