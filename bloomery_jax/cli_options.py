@@ -17,6 +17,11 @@ KERNELS_HELP = ("card matmuls: reference (jnp dequantize + matmul), pallas (GPU 
                 "CUDA backend does; integer dot products at decode) or auto: pallas on a GPU (default auto)")
 
 
+ATTENTION_HELP = ("decode attention: xla (jnp; on the GPU each layer's cache is copied out and attended "
+                  "over in full under a mask) or pallas (a kernel reading only each sequence's filled "
+                  "positions straight from the cache; default xla)")
+
+
 def add_residency_args(parser, record_routing: bool = True) -> None:
     """The adaptive-residency options shared by generate, bench and serve."""
     parser.add_argument("--residency", choices=("off", "lfu", "lru"), default="off",

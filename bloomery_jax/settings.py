@@ -18,6 +18,7 @@ from .errors import ConfigError
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 KERNELS = ("reference", "pallas", "pallas-tf32", "pallas-q8", "auto")  # auto: pallas on a GPU (models.loader.resolve_kernels)
 KV_DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION = ("xla", "pallas")  # decode attention (models.loader.load_model)
 WEIGHT_FORMS = ("blocks", "f32", "auto")  # card weights (models.loader.load_model)
 
 
@@ -31,12 +32,15 @@ class RuntimeSettings:
     placement: str = "card"  # placement rule string (see bloomery_jax.placement)
     kv_dtype: str = "float32"
     weights: str = "auto"  # card weights: blocks | f32 | auto (models.loader.load_model)
+    attention: str = "xla"  # decode attention: xla (jnp) | pallas (kernel on the cache buffer)
 
     def __post_init__(self):
         if self.kernels not in KERNELS:
             raise ConfigError(f"RuntimeSettings.kernels must be one of {KERNELS}, got {self.kernels!r}")
         if self.weights not in WEIGHT_FORMS:
             raise ConfigError(f"RuntimeSettings.weights must be one of {WEIGHT_FORMS}, got {self.weights!r}")
+        if self.attention not in ATTENTION:
+            raise ConfigError(f"RuntimeSettings.attention must be one of {ATTENTION}, got {self.attention!r}")
         if self.kv_dtype not in KV_DTYPES:
             raise ConfigError(f"RuntimeSettings.kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
         for name in ("max_context", "ubatch", "parallel"):

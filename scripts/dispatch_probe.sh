@@ -11,7 +11,7 @@
 # the last run. The default variant
 # logs which allocations moved and how many commands were updated (graph_updates.log); the
 # SKIP_TEMP / SKIP_PROFILED variants pin the temp buffer (and stable inputs/outputs) to fixed
-# virtual addresses (XLA's VMM allocator).
+# virtual addresses (XLA's VMM allocator). pallas_attn: default flags with --attention pallas.
 #
 #   run: bash scripts/dispatch_probe.sh [--no-bench]   (carry .whl; writes under $OUT)
 #   --no-bench: the 8-layer variants and the HLO count only (no 48-layer file, no bench)
@@ -31,15 +31,17 @@ declare -A FLAGS=(
   [skip_temp]="--xla_gpu_command_buffer_update_mode=SKIP_TEMP"
   [skip_profiled]="--xla_gpu_command_buffer_update_mode=SKIP_PROFILED"
   [dump]="--xla_dump_to=/tmp/probe-hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*"
+  [pallas_attn]=""
 )
 # XLA's own account of each execution of the default variant: which allocations moved
 # (gpu_executable), how many graph commands were updated (command_executor, command_buffer_thunk).
 VLOG=command_buffer_thunk=3,command_executor=1,gpu_executable=5
 best="" best_ms=1e9
-for name in default off skip_temp skip_profiled dump; do
+for name in default off skip_temp skip_profiled dump pallas_attn; do
   vmod=""; [ $name = default ] && vmod=$VLOG
+  attn=xla; [ $name = pallas_attn ] && attn=pallas  # the decode attention kernel (default flags)
   XLA_FLAGS="${FLAGS[$name]}" TF_CPP_VMODULE=$vmod TF_CPP_MIN_LOG_LEVEL=0 timeout 100 python3 scripts/profile_decode.py \
-    --model $M8 --kernels pallas --steps 32 --no-trace --out /tmp/probe-$name > /tmp/probe-$name.log 2>&1
+    --model $M8 --kernels pallas --attention $attn --steps 32 --no-trace --out /tmp/probe-$name > /tmp/probe-$name.log 2>&1
   rc=$?
   if [ -f /tmp/probe-$name/profile.json ]; then
     ms=$(python3 -c "import json;print(json.load(open('/tmp/probe-$name/profile.json'))['step_ms'])")

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from gguf import GGUFWriter
 
-from bloomery_jax.errors import GGUFError
+from bloomery_jax.errors import ConfigError, GGUFError
 from bloomery_jax.gguf_file import GGUFFile
 from bloomery_jax.models import gemma3
 from bloomery_jax.models.loader import load_model
@@ -321,3 +321,10 @@ def test_tiny_f32_matches_llamacpp(tmp_path, llama_model, variant):
         # Bounds 5e-3 and KL 2e-6. A bug is far outside: no window gives 3.7 std, swapped rope
         # bases 1.8 std.
         assert err <= 5e-3 and kl_max <= 2e-6
+
+
+def test_pallas_attention_is_refused(tmp_path):
+    # Gemma 3's sliding-window layers have no kernel attention: asking for it is an error, not a fallback.
+    path = write_gemma3(tmp_path / "one.gguf", gemma3.Config(**{**SMALL, "n_layers": 1, "swa_layers": (True,)}))
+    with pytest.raises(ConfigError, match="only the xla attention"):
+        load_model(path, attention="pallas")

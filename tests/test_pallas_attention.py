@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from bloomery_jax.ops.attention import gqa_attention
-from bloomery_jax.pallas.attention import decode_attention
+from bloomery_jax.pallas.attention import cache_decode_attention, decode_attention
 from triton_lowering import triton_kernels
 
 ATOL = 2e-6
@@ -58,6 +58,31 @@ def test_slots_past_visible_are_ignored():
     assert np.abs(run(k, v.at[0, 19].set(9.0)) - base).max() > 1e-2
 
 
+def test_rows_pick_cache_rows():
+    # five cache rows, three queries reading rows 4, 0 and 4: each equals the reference on its row
+    q, _, _ = cache(3, 50, 8, 2, 32, seed=3)
+    _, k, v = cache(5, 50, 8, 2, 32, seed=4)
+    rows, vis = jnp.asarray([4, 0, 4], jnp.int32), jnp.asarray([50, 7, 12], jnp.int32)
+    got = decode_attention(q, k, v, vis, 0.3, rows, block_s=16, split=32, interpret=True)
+    want = reference(q, k[rows], v[rows], vis, 0.3)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=ATOL)
+
+
+def test_whole_cache_buffer_with_a_window():
+    """cache_decode_attention over [L, N, S, Hkv, Dh]: query b of the window starting at slot 1 reads
+    layer 2 of slot 1 + b up to min(position + 1, length); a padding position gets zeros."""
+    L, N, S, Hkv, Dh, Hq = 3, 4, 40, 2, 16, 4
+    rng = np.random.default_rng(5)
+    k, v = (jnp.asarray(rng.standard_normal((L, N, S, Hkv, Dh)), jnp.float32) for _ in range(2))
+    q = jnp.asarray(rng.standard_normal((3, Hq, Dh)), jnp.float32)
+    positions = jnp.asarray([9, 39, S], jnp.int32)  # the last row is padding
+    lengths = jnp.asarray([10, 25, 3], jnp.int32)  # row 1: its length (25) limits, not its position
+    got = np.asarray(cache_decode_attention(k, v, 2, 1, q, positions, lengths, 0.25, interpret=True))
+    want = reference(q[:2], k[2, 1:3], v[2, 1:3], jnp.asarray([10, 25], jnp.int32), 0.25)
+    np.testing.assert_allclose(got[:2], np.asarray(want), rtol=0, atol=ATOL)
+    assert (got[2] == 0).all()
+
+
 def test_no_visible_slot_gives_zeros():
     q, k, v = cache(2, 32, 4, 2, 16, seed=2)
     got = decode_attention(q, k, v, jnp.asarray([0, 5], jnp.int32), 0.25, block_s=8, split=16, interpret=True)
@@ -69,6 +94,9 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="Hkv dividing Hq"):
         decode_attention(q, k, v, jnp.asarray([3], jnp.int32), 0.25, interpret=True)
     q, k, v = cache(1, 32, 4, 2, 16)
+    with pytest.raises(ValueError, match="without rows"):
+        decode_attention(q, jnp.concatenate([k, k]), jnp.concatenate([v, v]), jnp.asarray([3], jnp.int32), 0.25,
+                         interpret=True)
     with pytest.raises(ValueError, match="not a multiple of block_s"):
         decode_attention(q, k, v, jnp.asarray([3], jnp.int32), 0.25, block_s=16, split=24, interpret=True)
 
@@ -81,3 +109,14 @@ def test_lowers_to_triton_for_h200(monkeypatch):
     vis = jax.ShapeDtypeStruct((2,), jnp.int32)
     built = triton_kernels(monkeypatch, lambda q, k, v, n: decode_attention(q, k, v, n, 0.088), q, kv, kv, vis)
     assert built == [("decode_attention", 90, True)]
+
+
+@pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
+def test_whole_cache_lowers_to_triton_for_h200(monkeypatch):
+    """The model's call: a 48-layer, 2-slot, 4096-position cache buffer, layer 47, a traced window start."""
+    q = jax.ShapeDtypeStruct((2, 32, 128), jnp.float32)
+    kv = jax.ShapeDtypeStruct((48, 2, 4096, 4, 128), jnp.float32)
+    ints = jax.ShapeDtypeStruct((2,), jnp.int32)
+    start = jax.ShapeDtypeStruct((), jnp.int32)
+    fn = lambda q, k, v, s, p, n: cache_decode_attention(k, v, 47, s, q, p, n, 0.088)  # noqa: E731
+    assert triton_kernels(monkeypatch, fn, q, kv, kv, start, ints, ints) == [("decode_attention", 90, True)]

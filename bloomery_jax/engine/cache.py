@@ -8,7 +8,7 @@ A forward step sees a *window* of ``rows`` consecutive slots starting at ``start
 int32, so moving the window never recompiles; ``rows`` is static): row ``b`` of the step's
 tokens reads and writes slot ``start + b``. The window offers the interface the model forwards
 use (models/kv_cache.py's): ``write(layer, k, v, positions)``, ``layer(i)``, ``mask(positions)``,
-``with_lengths(positions)``, ``lengths`` and ``max_len``. Positions outside ``[0, S)`` are
+``attend_one(layer, q, positions, scale)``, ``with_lengths(positions)``, ``lengths`` and ``max_len``. Positions outside ``[0, S)`` are
 padding: nothing is stored for them and the lengths do not move.
 
 The whole cache is one pytree: pass it into the jitted step and donate it, and XLA updates the
@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 
 from ..ops.attention import causal_mask
+from ..ops.qmatmul import interpret_kernels
+from ..pallas.attention import cache_decode_attention
 
 KV_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -95,6 +97,13 @@ class SlotCache:
         k = jax.lax.dynamic_slice_in_dim(self.k[i], self.start, self.rows, axis=0)
         v = jax.lax.dynamic_slice_in_dim(self.v[i], self.start, self.rows, axis=0)
         return k.astype(jnp.float32), v.astype(jnp.float32)
+
+    def attend_one(self, layer: int, q: jax.Array, positions: jax.Array, scale: float) -> jax.Array:
+        """float32 ``[B, Hq, Dh]``: the window's one query a row (``q [B, Hq, Dh]`` at ``positions
+        [B]``) attending to its slot's filled positions up to its own, by the Pallas decode kernel
+        straight from the cache buffer (no layer copy; padding rows get zeros)."""
+        return cache_decode_attention(self.k, self.v, layer, self.start, q, positions, self.lengths, scale,
+                                      interpret=interpret_kernels())
 
     def mask(self, positions: jax.Array) -> jax.Array:
         """bool ``[B, T, S]``: causal mask of the window's queries over the filled positions.

@@ -64,7 +64,8 @@ class Progress:
         self.stream.flush()
 
 
-def open_model(path, progress: Progress, place: str = "card", weights: str = "auto", kernels: str = "auto"):
+def open_model(path, progress: Progress, place: str = "card", weights: str = "auto", kernels: str = "auto",
+               attention: str = "xla"):
     """Load a model and its tokenizer. Returns (model, tokenizer, seconds).
 
     Args:
@@ -73,6 +74,7 @@ def open_model(path, progress: Progress, place: str = "card", weights: str = "au
       place: the expert placement rule (``placement.parse_rule``).
       weights: card weights as blocks | f32 | auto (``models.loader.load_model``).
       kernels: reference | pallas | auto (``models.loader.load_model``).
+      attention: xla | pallas (``models.loader.load_model``).
     Raises:
       BloomeryError (GGUFError, ConfigError, ...) on a bad file; for the default model an
       unsupported architecture says which one the default model needs.
@@ -89,7 +91,7 @@ def open_model(path, progress: Progress, place: str = "card", weights: str = "au
     t0 = time.perf_counter()
     progress.update(f"loading {path} ...")
     try:
-        model = load_model(path, place=place, weights=weights, kernels=kernels)
+        model = load_model(path, place=place, weights=weights, kernels=kernels, attention=attention)
     except UnsupportedArchitectureError as e:
         if default:
             raise UnsupportedArchitectureError(

@@ -7,8 +7,9 @@ so a token sees itself. Positions outside ``[0, S)`` are not written (padding to
 use position ``S``).
 
 It is a pytree passed into and returned from the jitted step (donate it). The engine issue
-replaces it with a paged cache behind the same three operations the model uses:
-``write(layer, k, v, positions)``, ``layer(i)`` and ``mask(positions)``.
+replaces it with a paged cache behind the same operations the model uses:
+``write(layer, k, v, positions)``, ``layer(i)``, ``mask(positions)`` and, for one-token steps
+with the Pallas attention, ``attend_one(layer, q, positions, scale)``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import jax
 import jax.numpy as jnp
 
 from ..ops.attention import causal_mask
+from ..ops.qmatmul import interpret_kernels
+from ..pallas.attention import cache_decode_attention
 
 
 @jax.tree_util.register_dataclass
@@ -65,6 +68,13 @@ class KVCache:
     def layer(self, i: int) -> tuple[jax.Array, jax.Array]:
         """Keys and values of layer ``i``: float32 ``[B, S, Hkv, Dh]`` each."""
         return self.k[i], self.v[i]
+
+    def attend_one(self, layer: int, q: jax.Array, positions: jax.Array, scale: float) -> jax.Array:
+        """float32 ``[B, Hq, Dh]``: one query a sequence (``q [B, Hq, Dh]`` at ``positions [B]``)
+        over its filled positions up to its own, by the Pallas decode kernel straight from the
+        cache buffer (padding rows get zeros)."""
+        return cache_decode_attention(self.k, self.v, layer, 0, q, positions, self.lengths, scale,
+                                      interpret=interpret_kernels())
 
     def mask(self, positions: jax.Array) -> jax.Array:
         """bool ``[B, T, S]``: causal mask of queries at ``positions`` over the filled slots."""

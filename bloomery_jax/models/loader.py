@@ -22,7 +22,7 @@ from gguf import GGMLQuantizationType as T
 from ..errors import ConfigError, GGUFError
 from ..gguf_file import GGUFFile
 from ..quant import SUPPORTED_TYPES, QTensor
-from ..settings import KERNELS, WEIGHT_FORMS
+from ..settings import ATTENTION, KERNELS, WEIGHT_FORMS
 from .registry import module_for_file
 from .spec import check_tensors
 
@@ -63,7 +63,7 @@ AUTO_F32_BYTES = 2 << 30  # "auto" keeps float32 copies of card weights up to th
 
 def load_model(path: str | os.PathLike, *, device=None, place="card", reserve_bytes: int = 0,
                host_threads: int | None = None, host_act: str | None = None, weights: str = "blocks",
-               kernels: str = "reference") -> Model:
+               kernels: str = "reference", attention: str = "xla") -> Model:
     """Open ``path``, check it against its architecture, and put its tensors on ``device``.
 
     Args:
@@ -86,14 +86,25 @@ def load_model(path: str | os.PathLike, *, device=None, place="card", reserve_by
         does: decode GEMVs take integer dot products; sets ``cfg.act_rounding="ggml-cuda"``) or
         "auto" (pallas on a GPU, else reference). Weights no kernel can serve are listed on
         stderr and run the reference path.
+      attention: "xla" (``ops.attention``, jnp) or "pallas": one-token (decode) steps attend
+        with ``pallas.decode_attention`` straight from the cache buffer, reading only each
+        sequence's filled positions (the jnp path copies each layer's cache out of the buffer
+        on the GPU and attends over all of it under a mask). ConfigError for an architecture
+        without it.
     Returns:
       the Model.
     """
     from ..placement import ExpertLayout, Placement, parse_rule, slot_table
 
+    if attention not in ATTENTION:
+        raise ConfigError(f"attention={attention!r}: must be one of {', '.join(ATTENTION)}")
     gf = GGUFFile(path)
     module = module_for_file(gf)  # clear error for architectures we do not implement
     cfg = module.Config.from_gguf(gf)
+    if attention != "xla":
+        if not hasattr(cfg, "attention"):
+            raise ConfigError(f"attention={attention!r}: the {gf.architecture} model has only the xla attention")
+        cfg = dataclasses.replace(cfg, attention=attention)
     specs = module.tensor_specs(cfg)
     check_tensors(gf, specs)
     check_types(gf)

@@ -58,6 +58,9 @@ class Config:
     # Not from the file: the tensor-core precision of the prefill MoE kernel (pallas.moe_gemm);
     # the loader sets "tf32" for kernels=pallas-tf32.
     moe_precision: str = "tf32x3"
+    # Not from the file: "pallas" makes one-token steps attend with pallas.decode_attention read
+    # straight from the cache buffer (models.loader's attention=); "xla" is ops.attention's jnp.
+    attention: str = "xla"
 
     @property
     def q_dim(self) -> int:
@@ -235,8 +238,12 @@ def _attention_block(params, cfg: Config, i: int, x, cos, sin, positions, cache:
     q = apply_rope(rms_norm(q, as_f32(params[b + "attn_q_norm.weight"]), cfg.rms_eps), cos, sin, neox=True)
     k = apply_rope(rms_norm(k, as_f32(params[b + "attn_k_norm.weight"]), cfg.rms_eps), cos, sin, neox=True)
     cache = cache.write(i, k, v, positions)
-    k_all, v_all = cache.layer(i)  # [B, S, Hkv, Dh]
-    o = gqa_attention(q, k_all, v_all, mask, cfg.attn_scale).reshape(B, T, cfg.q_dim)  # [B, T, Hq*Dh]
+    if cfg.attention == "pallas" and T == 1:
+        o = cache.attend_one(i, q[:, 0], positions[:, 0], cfg.attn_scale)  # [B, Hq, Dh]
+    else:
+        k_all, v_all = cache.layer(i)  # [B, S, Hkv, Dh]
+        o = gqa_attention(q, k_all, v_all, mask, cfg.attn_scale)  # [B, T, Hq, Dh]
+    o = o.reshape(B, T, cfg.q_dim)  # [B, T, Hq*Dh]
     return x + qmatmul(o, params[b + "attn_output.weight"], ar), cache
 
 

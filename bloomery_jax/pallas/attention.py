@@ -1,18 +1,23 @@
 """Decode attention over a KV cache: one query token per sequence, grouped kv heads, split over the cache.
 
-Contract: ``decode_attention(q [B, Hq, Dh], k [B, S, Hkv, Dh], v [B, S, Hkv, Dh], visible [B], scale)
--> float32 [B, Hq, Dh]`` equals ``ops.attention.gqa_attention`` of one query token whose mask is
-the prefix ``s < visible[b]`` of the cache (causal decode: ``visible = min(q_pos + 1, kv_len)``);
-query head h reads kv head ``h // (Hq / Hkv)``. A row with ``visible = 0`` gives zeros (the
-reference gives NaN there; such rows are padding the engine discards).
+Contract: ``decode_attention(q [B, Hq, Dh], k [R, S, Hkv, Dh], v [R, S, Hkv, Dh], visible [B], scale,
+rows=None) -> float32 [B, Hq, Dh]``: query ``b`` attends to the prefix ``s < visible[b]`` of cache
+row ``rows[b]`` (default ``rows = arange(B)``, R = B), and equals ``ops.attention.gqa_attention``
+of one query token over that row with that mask (causal decode: ``visible = min(q_pos + 1,
+kv_len)``); query head h reads kv head ``h // (Hq / Hkv)``. A row with ``visible = 0`` gives
+zeros (the reference gives NaN there; such rows are padding the engine discards). ``rows`` lets
+a model hand over its whole cache buffer, ``[L, N, S, Hkv, Dh]`` reshaped to ``[L * N, S, Hkv,
+Dh]`` (free), with ``rows = layer * N + slot``: nothing is sliced out of it first, and only the
+visible slots are read.
 
 How (split-K decode, as flash-decoding does): a Pallas kernel (Triton lowering) on a grid
 ``(B, Hkv, S / split)``. Program (b, h, j) reads the G = Hq / Hkv query heads of kv head h and
-walks its ``split`` slots of the cache ``block_s`` at a time (only up to ``visible``), keeping
-per head a running max, a running sum of exponentials and a weighted sum of values (online
-softmax); slots past ``visible`` or past S are masked. The partial results of the splits are
-combined in jnp with the usual rescaling. The products are plain f32 multiply-adds on the CUDA
-cores: a decode step reads each cached value once, so the kernel is bound by the cache's bytes.
+walks its ``split`` slots of cache row ``rows[b]`` ``block_s`` at a time (only up to
+``visible``), keeping per head a running max, a running sum of exponentials and a weighted sum
+of values (online softmax); slots past ``visible`` or past S are masked. The partial results of
+the splits are combined in jnp with the usual rescaling. The products are plain f32
+multiply-adds on the CUDA cores: a decode step reads each cached value once, so the kernel is
+bound by the cache's bytes.
 
 Rounding differs from the reference's dot + softmax only in summation order (f32 throughout).
 """
@@ -27,13 +32,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 F32 = jnp.float32
-__all__ = ["decode_attention"]
+__all__ = ["decode_attention", "cache_decode_attention"]
 
 
-def _kernel(vis_ref, q_ref, k_ref, v_ref, m_ref, l_ref, o_ref, *, groups: int, block_s: int, split: int,
+def _kernel(vis_ref, row_ref, q_ref, k_ref, v_ref, m_ref, l_ref, o_ref, *, groups: int, block_s: int, split: int,
             n_slots: int, scale: float):
-    # vis_ref [1] i32; q_ref [G, Dh]; k_ref, v_ref [S, Dh] (the whole cache of one kv head);
+    # vis_ref, row_ref [1] i32; q_ref [G, Dh]; k_ref, v_ref [R, S, Hkv, Dh] (the whole cache, unblocked);
     # m_ref, l_ref [1, 1, G, 1]; o_ref [1, 1, G, Dh]: this split's partial results
+    row, head = row_ref[0], pl.program_id(1)
     j = pl.program_id(2)
     start = j * split
     visible = jnp.minimum(vis_ref[0], n_slots)
@@ -45,8 +51,9 @@ def _kernel(vis_ref, q_ref, k_ref, v_ref, m_ref, l_ref, o_ref, *, groups: int, b
         ms, ls, accs = carry
         rows = start + i * block_s + jnp.arange(block_s)  # [BS] slots of this block
         valid = rows < visible
-        k = plgpu.load(k_ref.at[pl.ds(start + i * block_s, block_s), :], mask=valid[:, None], other=0.0)
-        v = plgpu.load(v_ref.at[pl.ds(start + i * block_s, block_s), :], mask=valid[:, None], other=0.0)
+        slots = pl.ds(start + i * block_s, block_s)
+        k = plgpu.load(k_ref.at[row, slots, head, :], mask=valid[:, None], other=0.0)
+        v = plgpu.load(v_ref.at[row, slots, head, :], mask=valid[:, None], other=0.0)
         k, v = k.astype(F32), v.astype(F32)  # [BS, Dh]
         out = ([], [], [])
         for g in range(groups):
@@ -69,15 +76,19 @@ def _kernel(vis_ref, q_ref, k_ref, v_ref, m_ref, l_ref, o_ref, *, groups: int, b
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_s", "split", "num_warps", "interpret"))
-def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, scale: float, *,
-                     block_s: int = 64, split: int = 512, num_warps: int = 4, interpret: bool = False) -> jax.Array:
+def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, scale: float,
+                     rows: jax.Array | None = None, *, block_s: int = 64, split: int = 512, num_warps: int = 4,
+                     interpret: bool = False) -> jax.Array:
     """Softmax attention of one query token per sequence over the first ``visible[b]`` cache slots.
 
     Args:
       q: float ``[B, Hq, Dh]`` (normed and rotated).
-      k, v: float ``[B, S, Hkv, Dh]``: the cache of one layer.
+      k, v: float ``[R, S, Hkv, Dh]``: cache rows (one layer's cache of B sequences, or a whole
+        multi-layer cache with its leading axes merged).
       visible: int32 ``[B]``: slots 0..visible-1 are attended to.
       scale: multiplies the scores.
+      rows: int32 ``[B]``, the cache row of each query (in ``[0, R)``; not checked on the card);
+        None: row b, with R == B.
       block_s: cache slots per loop step; split: slots per program (a multiple of block_s).
       num_warps: Triton warps per program.
       interpret: run with the Pallas interpreter (CPU tests).
@@ -85,33 +96,65 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Arra
       float32 ``[B, Hq, Dh]``.
     """
     B, Hq, Dh = q.shape
-    _, S, Hkv, _ = k.shape
-    if Hq % Hkv or k.shape != v.shape or k.shape[0] != B or k.shape[3] != Dh or visible.shape != (B,):
-        raise ValueError(f"decode_attention: q [B, Hq, Dh], k/v [B, S, Hkv, Dh] with Hkv dividing Hq and "
-                         f"visible [B]; got {q.shape}, {k.shape}, {v.shape}, {visible.shape}")
+    R, S, Hkv, _ = k.shape
+    if rows is None:
+        rows = jnp.arange(B, dtype=jnp.int32)
+        if R != B:
+            raise ValueError(f"decode_attention: without rows, k/v must have B = {B} rows, got {R}")
+    if (Hq % Hkv or k.shape != v.shape or k.shape[3] != Dh or visible.shape != (B,)
+            or jnp.shape(rows) != (B,)):
+        raise ValueError(f"decode_attention: q [B, Hq, Dh], k/v [R, S, Hkv, Dh] with Hkv dividing Hq, "
+                         f"visible and rows [B]; got {q.shape}, {k.shape}, {v.shape}, {visible.shape}, "
+                         f"{jnp.shape(rows)}")
     if split % block_s:
         raise ValueError(f"decode_attention: split {split} is not a multiple of block_s {block_s}")
     G = Hq // Hkv
     n_splits = pl.cdiv(S, split)
     kernel = functools.partial(_kernel, groups=G, block_s=block_s, split=split, n_slots=S, scale=float(scale))
-    cache_spec = pl.BlockSpec((None, S, None, Dh), lambda b, h, j: (b, 0, h, 0))  # kernel sees [S, Dh]
     part = lambda last: pl.BlockSpec((1, 1, G, last), lambda b, h, j: (b, j, h, 0))
+    per_query = pl.BlockSpec((1,), lambda b, h, j: (b,))
     m, l, o = pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((B, n_splits, Hq, 1), F32), jax.ShapeDtypeStruct((B, n_splits, Hq, 1), F32),
                    jax.ShapeDtypeStruct((B, n_splits, Hq, Dh), F32)),
         grid=(B, Hkv, n_splits),
-        in_specs=[pl.BlockSpec((1,), lambda b, h, j: (b,)),
+        in_specs=[per_query, per_query,
                   pl.BlockSpec((None, G, Dh), lambda b, h, j: (b, h, 0)),  # [G, Dh]: the query heads of kv head h
-                  cache_spec, cache_spec],
+                  pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],  # whole: row read in-kernel
         out_specs=(part(1), part(1), part(Dh)),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
         interpret=interpret,
         name="decode_attention",
-    )(visible.astype(jnp.int32), q, k, v)
+    )(visible.astype(jnp.int32), jnp.asarray(rows, jnp.int32), q, k, v)
     # combine the splits: rescale each to the overall max (empty splits have m = -inf, l = 0)
     m_all = jnp.max(m, axis=1, keepdims=True)  # [B, 1, Hq, 1]
     w = jnp.where(l > 0, jnp.exp(m - m_all), 0.0)  # [B, splits, Hq, 1]
     num = jnp.sum(o * w, axis=1)  # [B, Hq, Dh]
     den = jnp.sum(l * w, axis=1)  # [B, Hq, 1]
     return jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 0.0)
+
+
+def cache_decode_attention(k: jax.Array, v: jax.Array, layer: int, start, q: jax.Array, positions: jax.Array,
+                           lengths: jax.Array, scale: float, *, interpret: bool = False) -> jax.Array:
+    """:func:`decode_attention` of a step's B queries over a whole cache buffer, nothing sliced out.
+
+    Args:
+      k, v: ``[L, N, S, Hkv, Dh]``: the cache of L layers and N slots (any float dtype).
+      layer: the layer attended to.
+      start: int32 scalar (may be traced): query b reads slot ``start + b``.
+      q: ``[B, Hq, Dh]``; positions: int32 ``[B]``, each query's position (outside ``[0, S)``:
+        padding, which gets zeros); lengths: int32 ``[B]``, the slots' filled positions after
+        this step's writes.
+    Returns:
+      float32 ``[B, Hq, Dh]``: query b over slots ``s <= positions[b]`` and ``s < lengths[b]``.
+    """
+    L, N, S, Hkv, Dh = k.shape
+    if k.size >= 2 ** 31:  # the kernel's offsets are int32
+        raise ValueError(f"cache_decode_attention: a cache of {k.size} elements a buffer is over the kernel's "
+                         f"2^31 (L {L} x slots {N} x positions {S} x {Hkv} x {Dh}); use attention='xla'")
+    B = q.shape[0]
+    rows = layer * N + jnp.asarray(start, jnp.int32) + jnp.arange(B, dtype=jnp.int32)
+    valid = (positions >= 0) & (positions < S)
+    visible = jnp.where(valid, jnp.minimum(positions + 1, lengths), 0).astype(jnp.int32)
+    flat = lambda a: a.reshape(L * N, S, Hkv, Dh)  # merges the leading axes: a view, not a copy  # noqa: E731
+    return decode_attention(q, flat(k), flat(v), visible, scale, rows, interpret=interpret)
