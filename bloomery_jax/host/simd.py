@@ -1,4 +1,4 @@
-"""AVX2 row dots of the K-quants against Q8_K activations, written as LLVM vector IR (Numba intrinsics).
+"""AVX2 and AVX-512 row dots of the K-quants against Q8_K activations, as LLVM vector IR (Numba intrinsics).
 
 Why: LLVM does not form ``vpmaddubsw`` (unsigned 8-bit × signed 8-bit, pairwise into int16)
 from plain loops (``blocks``' module docstring, trap list), so the portable kernels widen every
