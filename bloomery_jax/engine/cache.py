@@ -8,8 +8,9 @@ A forward step sees a *window* of ``rows`` consecutive slots starting at ``start
 int32, so moving the window never recompiles; ``rows`` is static): row ``b`` of the step's
 tokens reads and writes slot ``start + b``. The window offers the interface the model forwards
 use (models/kv_cache.py's): ``write(layer, k, v, positions)``, ``layer(i)``, ``mask(positions)``,
-``attend_one(layer, q, positions, scale)``, ``with_lengths(positions)``, ``lengths`` and ``max_len``. Positions outside ``[0, S)`` are
-padding: nothing is stored for them and the lengths do not move.
+``attend_one(layer, q, positions, scale)``, ``with_lengths(positions)``, ``lengths`` and
+``max_len``. Positions outside ``[0, S)`` are padding: nothing is stored for them and the
+lengths do not move.
 
 The whole cache is one pytree: pass it into the jitted step and donate it, and XLA updates the
 buffers in place (the scatter of new keys and the lengths are the only writes).
