@@ -11,41 +11,22 @@ value (which bounds every partial sum: the lanes' signs may cancel)."""
 
 import numpy as np
 import pytest
-from numba import njit
 
+from bloomery_jax.host import blocks as B
 from bloomery_jax.host import simd
 
 pytestmark = pytest.mark.skipif(not simd.HAS_AVX2, reason="the host CPU has no AVX2")
 
 
-@njit
-def _q4k(row, xq8, xd, xb):
-    return simd.q4k_row_dot(row, xq8, xd, xb)
+_UNUSED16, _TAB16 = np.zeros(1, np.int16), B.conversion_tables()[0]
 
 
-@njit
-def _q5k(row, xq8, xd, xb):
-    return simd.q5k_row_dot(row, xq8, xd, xb)
-
-
-@njit
-def _q6k(row, xq8, xd, x16):
-    return simd.q6k_row_dot(row, xq8, xd, x16)
-
-
-@njit
-def _q4k_wide(row, xq8, xd, xb):
-    return simd.q4k_row_dot_wide(row, xq8, xd, xb)
-
-
-@njit
-def _q5k_wide(row, xq8, xd, xb):
-    return simd.q5k_row_dot_wide(row, xq8, xd, xb)
-
-
-@njit
-def _q6k_wide(row, xq8, xd, x16):
-    return simd.q6k_row_dot_wide(row, xq8, xd, x16)
+def _row_dot(fmt: str, wide: bool, row, x, xd, xb=None, x16=None) -> float:
+    """``blocks``' AVX2 (or, ``wide``, AVX-512) kernel of ``fmt`` ("q4_k" ...), which is the simd
+    intrinsic behind the uniform signature; the arguments its format does not read are dummies."""
+    dot = getattr(B, f"_dot_{fmt}_q8_{'avx512' if wide else 'avx2'}")
+    xb = np.zeros(1, np.int32) if xb is None else xb
+    return dot(row, _UNUSED16, x, xd, xb, _UNUSED16 if x16 is None else x16, _TAB16)
 
 
 WIDTHS = [False, pytest.param(True, marks=pytest.mark.skipif(not simd.HAS_AVX512BW, reason="no AVX-512BW"))]
@@ -110,7 +91,7 @@ def _check(got, terms, magnitude, n_blocks):
 @pytest.mark.parametrize("block_bytes", [144, 176])
 def test_q4k_q5k_row_dots(block_bytes, wide):
     rng = np.random.default_rng(block_bytes)
-    dot = {(144, False): _q4k, (176, False): _q5k, (144, True): _q4k_wide, (176, True): _q5k_wide}[block_bytes, wide]
+    fmt = "q4_k" if block_bytes == 144 else "q5_k"
     for row, x, xd in _rows(rng, block_bytes):
         xb = x.astype(np.int32).reshape(-1, 32).sum(1).astype(np.int32)
         terms, magnitude = [], 0.0
@@ -122,13 +103,12 @@ def test_q4k_q5k_row_dots(block_bytes, wide):
             abs_s, abs_m = k_ints(blk, np.abs(xs.astype(np.int64)))  # scales, mins and quants are >= 0
             terms += [float(xd[b]) * d * s, -float(xd[b]) * dmin * m]
             magnitude += float(xd[b]) * (abs(d) * abs_s + abs(dmin) * abs_m)
-        _check(dot(row, x, xd, xb), terms, magnitude, 4)
+        _check(_row_dot(fmt, wide, row, x, xd, xb=xb), terms, magnitude, 4)
 
 
 @pytest.mark.parametrize("wide", WIDTHS)
 def test_q6k_row_dot(wide):
     rng = np.random.default_rng(1)
-    dot = _q6k_wide if wide else _q6k
     for row, x, xd in _rows(rng, 210):
         x16 = x.astype(np.int16).reshape(-1, 16).sum(1).astype(np.int16)
         terms, magnitude = [], 0.0
@@ -138,4 +118,4 @@ def test_q6k_row_dot(wide):
             xs = x[256 * b:256 * (b + 1)]
             terms.append(float(xd[b]) * d * q6k_int(blk, xs))
             magnitude += float(xd[b]) * abs(d) * q6k_int(blk, xs, absolute=True)
-        _check(dot(row, x, xd, x16), terms, magnitude, 4)
+        _check(_row_dot("q6_k", wide, row, x, xd, x16=x16), terms, magnitude, 4)

@@ -95,6 +95,13 @@ def _reduce(builder, acc):
     return builder.call(_fn(builder, f"llvm.vector.reduce.fadd.v{n}f32", F32, F32, acc.type), [ir.Constant(F32, 0.0), acc])
 
 
+def _accumulate(builder, ptr, ints, scale):
+    """``*ptr += float(ints) * scale``: a block's int32 lanes into the row's float32 lanes."""
+    n = ints.type.count
+    lanes = builder.sitofp(ints, ir.VectorType(F32, n))
+    builder.store(builder.fadd(builder.load(ptr), builder.fmul(lanes, _splat(builder, scale, n))), ptr)
+
+
 class _Madd:
     """vpmaddubsw and vpmaddwd on ymm (AVX2) or zmm (AVX-512BW): ``lanes`` int32 results each."""
 
@@ -190,10 +197,7 @@ def _k_row_dot(fifth_bit: bool, wide: bool):
                 min_ints = builder.mul(mins, _load(builder, bp, builder.mul(b, ir.Constant(b.type, 8)), V8I32))
                 xdb = builder.load(builder.gep(dp, [b]))
                 for ints, byte, ptr in ((acc, 0, quant_acc), (min_ints, 2, min_acc)):  # d, then dmin
-                    n = ints.type.count
-                    scale = _splat(builder, builder.fmul(xdb, _half(builder, rp, _at(builder, o, byte))), n)
-                    lanes = builder.sitofp(ints, ir.VectorType(F32, n))
-                    builder.store(builder.fadd(builder.load(ptr), builder.fmul(lanes, scale)), ptr)
+                    _accumulate(builder, ptr, ints, builder.fmul(xdb, _half(builder, rp, _at(builder, o, byte))))
             return builder.fsub(_reduce(builder, builder.load(quant_acc)), _reduce(builder, builder.load(min_acc)))
 
         return sig, codegen
@@ -241,10 +245,8 @@ def _q6k_row_dot(wide: bool):
                 if wide:
                     corr = _cat(builder, corr, ir.Constant(V8I32, [0] * 8))
                 acc = builder.sub(acc, corr)
-                scale = _splat(builder, builder.fmul(builder.load(builder.gep(dp, [b])),
-                                                     _half(builder, rp, _at(builder, o, 208))), madd.lanes)
-                builder.store(builder.fadd(builder.load(quant_acc), builder.fmul(builder.sitofp(acc, madd.f32), scale)),
-                              quant_acc)
+                _accumulate(builder, quant_acc, acc,
+                            builder.fmul(builder.load(builder.gep(dp, [b])), _half(builder, rp, _at(builder, o, 208))))
             return _reduce(builder, builder.load(quant_acc))
 
         return sig, codegen
