@@ -14,14 +14,15 @@ client that disconnects (streaming or not) has its request cancelled at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import sys
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
-from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import formats as fmt
@@ -32,6 +33,9 @@ from .provider import Provider
 from .schemas import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, parse
 
 MAX_BODY_BYTES = 8 << 20
+# Tokenizing and templating hold the GIL for most of their work, so more threads than this only
+# add memory: each new thread gets its own malloc arena (about 14 MiB each after a few requests).
+PREPARE_THREADS = 2
 PUBLIC_PATHS = frozenset({"/health", "/v1/health"})
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -68,7 +72,19 @@ async def _read_body(request: Request) -> bytes:
 
 
 def create_app(provider: Provider, api_key: str | None = None) -> FastAPI:
-    app = FastAPI(title="bloomery_jax", version="0.1.0")
+    # Requests are prepared off the event loop on a pool of fixed size, not Starlette's default
+    # pool, which grows with the number of clients waiting at once (up to 40 threads).
+    prepare_pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="bloomery-prepare")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        prepare_pool.shutdown(wait=False, cancel_futures=True)
+
+    async def off_loop(fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(prepare_pool, fn, *args)
+
+    app = FastAPI(title="bloomery_jax", version="0.1.0", lifespan=lifespan)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
@@ -131,7 +147,7 @@ def create_app(provider: Provider, api_key: str | None = None) -> FastAPI:
     async def tokenize(request: Request):
         req = parse(TokenizeRequest, await _read_body(request))
         tok = provider.require_ready().tokenizer
-        ids = await run_in_threadpool(tok.encode, req.content, req.add_special, req.parse_special)
+        ids = await off_loop(tok.encode, req.content, req.add_special, req.parse_special)
         if not req.with_pieces:
             return {"tokens": ids}
         pieces = [{"id": i, "piece": tok.token_bytes(i, special=True).decode("utf-8", errors="replace")}
@@ -153,7 +169,7 @@ def create_app(provider: Provider, api_key: str | None = None) -> FastAPI:
         """Parse, prepare, submit, and wait for the first event (or the client leaving)."""
         body = parse(schema, await _read_body(request))
         bundle = provider.require_ready()
-        prepared = await run_in_threadpool(prepare, bundle, body)
+        prepared = await off_loop(prepare, bundle, body)
         job = provider.submit(prepared, asyncio.get_running_loop(), prefix)
         try:
             first = await job.next(request)
