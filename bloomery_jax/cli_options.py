@@ -22,6 +22,11 @@ ATTENTION_HELP = ("decode attention: xla (jnp; on the GPU each layer's cache is 
                   "positions straight from the cache; default xla)")
 
 
+BRIDGE_HELP = ("how the step reaches the host experts: callback (jax.pure_callback: syncs and copies through "
+               "Python) or ffi (an XLA FFI custom call into the compiled kernel, built on first use with the "
+               "system's C++ compiler; on a GPU it is queued on the step's stream; default callback)")
+
+
 def add_residency_args(parser, record_routing: bool = True) -> None:
     """The adaptive-residency options shared by generate, bench and serve."""
     parser.add_argument("--residency", choices=("off", "lfu", "lru"), default="off",

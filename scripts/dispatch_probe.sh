@@ -12,6 +12,9 @@
 # logs which allocations moved and how many commands were updated (graph_updates.log); the
 # SKIP_TEMP / SKIP_PROFILED variants pin the temp buffer (and stable inputs/outputs) to fixed
 # virtual addresses (XLA's VMM allocator). pallas_attn: default flags with --attention pallas.
+# host_callback / host_ffi: the experts of 6 of the 8 layers on the host, through each bridge
+# (pure_callback splits the step's graph at every host call; the FFI call is queued on the stream),
+# with VLOG, so their graph logs show whether the FFI step stays one graph.
 #
 #   run: bash scripts/dispatch_probe.sh [--no-bench]   (carry .whl; writes under $OUT)
 #   --no-bench: the 8-layer variants and the HLO count only (no 48-layer file, no bench)
@@ -32,22 +35,26 @@ declare -A FLAGS=(
   [skip_profiled]="--xla_gpu_command_buffer_update_mode=SKIP_PROFILED"
   [dump]="--xla_dump_to=/tmp/probe-hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*"
   [pallas_attn]=""
+  [host_callback]=""
+  [host_ffi]=""
 )
 # XLA's own account of each execution of the default variant: which allocations moved
 # (gpu_executable), how many graph commands were updated (command_executor, command_buffer_thunk).
 VLOG=command_buffer_thunk=3,command_executor=1,gpu_executable=5
 best="" best_ms=1e9
-for name in default off skip_temp skip_profiled dump pallas_attn; do
-  vmod=""; [ $name = default ] && vmod=$VLOG
+for name in default off skip_temp skip_profiled dump pallas_attn host_callback host_ffi; do
+  vmod=""; [ $name = default ] || [ ${name#host_} != $name ] && vmod=$VLOG
   attn=xla; [ $name = pallas_attn ] && attn=pallas  # the decode attention kernel (default flags)
-  XLA_FLAGS="${FLAGS[$name]}" TF_CPP_VMODULE=$vmod TF_CPP_MIN_LOG_LEVEL=0 timeout 100 python3 scripts/profile_decode.py \
-    --model $M8 --kernels pallas --attention $attn --steps 32 --no-trace --out /tmp/probe-$name > /tmp/probe-$name.log 2>&1
+  # the host variants also compile the Numba layer kernel (and the FFI library and cfunc) once
+  host="--place card" tmo=100; [ ${name#host_} != $name ] && host="--place n-cpu-moe=6 --bridge ${name#host_}" tmo=240
+  XLA_FLAGS="${FLAGS[$name]}" TF_CPP_VMODULE=$vmod TF_CPP_MIN_LOG_LEVEL=0 timeout $tmo python3 scripts/profile_decode.py \
+    --model $M8 --kernels pallas --attention $attn $host --steps 32 --no-trace --out /tmp/probe-$name > /tmp/probe-$name.log 2>&1
   rc=$?
   if [ -f /tmp/probe-$name/profile.json ]; then
     ms=$(python3 -c "import json;print(json.load(open('/tmp/probe-$name/profile.json'))['step_ms'])")
     python3 -c "import json;d=json.load(open('/tmp/probe-$name/profile.json'));d['variant']='$name';print(json.dumps(d))" >> $OUT/profiles.jsonl
     echo "$name: step_ms $ms (rc $rc)"
-    if [ $name != dump ] && python3 -c "import sys; sys.exit(0 if $ms < $best_ms else 1)"; then best=$name best_ms=$ms; fi
+    if [ $name != dump ] && [ ${name#host_} = $name ] && python3 -c "import sys; sys.exit(0 if $ms < $best_ms else 1)"; then best=$name best_ms=$ms; fi
   else
     echo "$name: failed (rc $rc)"; tail -3 /tmp/probe-$name.log | cut -c1-300
     echo "{\"variant\": \"$name\", \"rc\": $rc}" >> $OUT/profiles.jsonl
@@ -56,6 +63,11 @@ done
 grep -E "changed address|Updated [0-9]+ commands|Updated command buffer|needs_update|num_executions" /tmp/probe-default.log \
   | sed -E 's/^[^]]*\] //' | cut -c1-240 > $OUT/graph_updates.log
 echo "graph log lines: $(wc -l < $OUT/graph_updates.log); last ones:"; tail -4 $OUT/graph_updates.log
+for h in host_callback host_ffi; do
+  grep -E "Updated [0-9]+ commands|Updated command buffer|num_executions|command buffer" /tmp/probe-$h.log \
+    | sed -E 's/^[^]]*\] //' | cut -c1-240 > $OUT/graph_updates-$h.log
+  echo "$h graph log lines: $(wc -l < $OUT/graph_updates-$h.log)"
+done
 python3 scripts/hlo_launches.py /tmp/probe-hlo | tee $OUT/hlo_launches.json
 echo "best: $best ($best_ms ms) at ${SECONDS}s"
 wait

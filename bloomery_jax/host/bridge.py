@@ -51,11 +51,15 @@ class HostBridge:
     def __init__(self, layers: dict[int, HostExpertLayer], threads: int | None = None):
         self.layers = dict(layers)
         self.threads = threads
-        self.stats = BridgeStats()
+        self._stats = BridgeStats()
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"HostBridge({len(self.layers)} layers)"
+
+    @property
+    def stats(self) -> BridgeStats:
+        return self._stats
 
     def has_layer(self, i: int) -> bool:
         return i in self.layers
@@ -86,7 +90,7 @@ class HostBridge:
 
     def _fetch(self, t) -> np.ndarray:
         with self._lock:
-            self.stats.streamed_bytes += int(t.data.nbytes)
+            self._stats.streamed_bytes += int(t.data.nbytes)
         return np.asarray(t.data)
 
     def _run(self, i, h, experts, weights, on_host):
@@ -101,7 +105,7 @@ class HostBridge:
         y = host_moe_swiglu(x, experts, np.asarray(weights, np.float32), on_host, self.layers[i])
         dt = time.perf_counter() - t0
         with self._lock:
-            self.stats.calls += 1
-            self.stats.pairs += int(on_host[experts].sum())
-            self.stats.seconds += dt
+            self._stats.calls += 1
+            self._stats.pairs += int(on_host[experts].sum())
+            self._stats.seconds += dt
         return y

@@ -221,9 +221,6 @@ def host_moe_swiglu(x: np.ndarray, experts: np.ndarray, weights: np.ndarray, on_
     Returns:
       float32 ``[N, D]``.
     """
-    act = layer.act if act is None else act
-    if act not in ACTS:
-        raise ValueError(f"host_moe_swiglu: act must be one of {ACTS}, got {act!r}")
     D, F = layer.dims
     E = layer.n_experts
     x = np.ascontiguousarray(x, np.float32)
@@ -240,19 +237,40 @@ def host_moe_swiglu(x: np.ndarray, experts: np.ndarray, weights: np.ndarray, on_
     if experts.size and (experts.min() < 0 or experts.max() >= E):
         raise ValueError(f"host_moe_swiglu: expert ids must be in [0, {E}), got [{experts.min()}, {experts.max()}]")
     x, experts, weights, on_host = (_readonly(a) for a in (x, experts, weights, on_host))
-    fmts = [KERNEL_FORMATS[t.qtype] for t in (layer.gate, layer.up, layer.down)]
+    s = kernel_settings(layer, act, multi_min)
+    out = np.empty((x.shape[0], D), np.float32)
+    before = numba.set_parallel_chunksize(int(chunksize))  # this thread's setting: restored below
+    try:
+        return _moe_kernel(out, x, experts, weights, on_host, layer.gate.raw, layer.up.raw, layer.down.raw,
+                           *s.formats, s.q8, _TAB16, _TABBF, max(1, int(rows_per_item)),
+                           numba.get_num_threads(), s.mmin1, s.mmin2)
+    finally:
+        numba.set_parallel_chunksize(before)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSettings:
+    """The layer kernel's per-layer arguments other than the tensors."""
+
+    formats: tuple[int, int, int]  # kernel format codes of gate, up, down
+    q8: bool  # activations rounded to 8 bits
+    mmin1: int  # tokens an expert needs for the multi-token path, gate/up phase
+    mmin2: int  # the same, down phase
+
+
+def kernel_settings(layer: HostExpertLayer, act: str | None = None, multi_min: int | None = None) -> KernelSettings:
+    """Arguments of the layer kernel for ``layer`` (``act`` and ``multi_min`` as in
+    :func:`host_moe_swiglu`)."""
+    act = layer.act if act is None else act
+    if act not in ACTS:
+        raise ValueError(f"host_moe_swiglu: act must be one of {ACTS}, got {act!r}")
+    fmts = tuple(KERNEL_FORMATS[t.qtype] for t in (layer.gate, layer.up, layer.down))
     if multi_min is None:
         mins = [MULTI_MIN_Q8_0 if (f == B.Q8_0 and act == "q8") else MULTI_MIN for f in fmts]
         mmin1, mmin2 = max(mins[0], mins[1]), mins[2]
     else:
         mmin1 = mmin2 = max(1, int(multi_min))
-    before = numba.set_parallel_chunksize(int(chunksize))  # this thread's setting: restored below
-    try:
-        return _moe_kernel(x, experts, weights, on_host, layer.gate.raw, layer.up.raw, layer.down.raw,
-                           fmts[0], fmts[1], fmts[2], act == "q8", _TAB16, _TABBF, max(1, int(rows_per_item)),
-                           numba.get_num_threads(), mmin1, mmin2)
-    finally:
-        numba.set_parallel_chunksize(before)
+    return KernelSettings(fmts, act == "q8", mmin1, mmin2)
 
 
 def _readonly(a: np.ndarray) -> np.ndarray:
@@ -334,11 +352,13 @@ def _act_buffers(M, K):
 
 
 @njit(parallel=True, fastmath=True, cache=True, nogil=True)
-def _moe_kernel(x, experts, weights, on_host, gw, uw, dw, gfmt, ufmt, dfmt, q8, tab16, tabbf, rpi, nthreads, mmin1, mmin2):
+def _moe_kernel(out, x, experts, weights, on_host, gw, uw, dw, gfmt, ufmt, dfmt, q8, tab16, tabbf, rpi, nthreads,
+                mmin1, mmin2):
+    # writes float32 out [N, D] (also returned)
     N, D = x.shape
     k = experts.shape[1]
     E, F = gw.shape[0], gw.shape[1]
-    out = np.zeros((N, D), np.float32)
+    out[:] = 0.0
 
     # Group the host pairs by expert (serial: O(N k + E)). Pair p = (token pair_tok[p], expert).
     start = np.zeros(E + 1, np.int64)

@@ -22,7 +22,7 @@ from gguf import GGMLQuantizationType as T
 from ..errors import ConfigError, GGUFError
 from ..gguf_file import GGUFFile
 from ..quant import SUPPORTED_TYPES, QTensor
-from ..settings import ATTENTION, KERNELS, WEIGHT_FORMS
+from ..settings import ATTENTION, BRIDGES, KERNELS, WEIGHT_FORMS
 from .registry import module_for_file
 from .spec import check_tensors
 
@@ -63,7 +63,7 @@ AUTO_F32_BYTES = 2 << 30  # "auto" keeps float32 copies of card weights up to th
 
 def load_model(path: str | os.PathLike, *, device=None, place="card", reserve_bytes: int = 0,
                host_threads: int | None = None, host_act: str | None = None, weights: str = "blocks",
-               kernels: str = "reference", attention: str = "xla") -> Model:
+               kernels: str = "reference", attention: str = "xla", bridge: str = "callback") -> Model:
     """Open ``path``, check it against its architecture, and put its tensors on ``device``.
 
     Args:
@@ -91,6 +91,9 @@ def load_model(path: str | os.PathLike, *, device=None, place="card", reserve_by
         sequence's filled positions (the jnp path copies each layer's cache out of the buffer
         on the GPU and attends over all of it under a mask). ConfigError for an architecture
         without it.
+      bridge: how steps reach the host experts: "callback" (``host.bridge.HostBridge``,
+        jax.pure_callback) or "ffi" (``host.ffi.FfiHostBridge``, an XLA FFI custom call; the
+        same results bit for bit). ConfigError where the ffi library cannot be built.
     Returns:
       the Model.
     """
@@ -98,6 +101,8 @@ def load_model(path: str | os.PathLike, *, device=None, place="card", reserve_by
 
     if attention not in ATTENTION:
         raise ConfigError(f"attention={attention!r}: must be one of {', '.join(ATTENTION)}")
+    if bridge not in BRIDGES:
+        raise ConfigError(f"bridge={bridge!r}: must be one of {', '.join(BRIDGES)}")
     gf = GGUFFile(path)
     module = module_for_file(gf)  # clear error for architectures we do not implement
     cfg = module.Config.from_gguf(gf)
@@ -125,8 +130,8 @@ def load_model(path: str | os.PathLike, *, device=None, place="card", reserve_by
         params[info.name] = QTensor(jax.device_put(data, device), int(info.qtype), shape)
     placement = None
     if expert_layer:
-        bridge = _host_bridge(gf.path, host_tensors, host_threads, host_act) if host_tensors else None
-        placement = Placement(jax.device_put(slot_table(on_card), device), bridge)
+        host = _host_bridge(gf.path, host_tensors, host_threads, host_act, bridge) if host_tensors else None
+        placement = Placement(jax.device_put(slot_table(on_card), device), host)
     kernels = resolve_kernels(kernels, device)
     if kernels.startswith("pallas"):
         if weights == "f32":
@@ -194,8 +199,9 @@ def _want_f32(weights: str, params: dict, has_host: bool) -> bool:
     return weights == "f32" or (not has_host and f32_bytes <= AUTO_F32_BYTES)
 
 
-def _host_bridge(path: str, host_tensors: dict, threads: int | None, act: str | None):
-    """A HostBridge over every expert of the layers that have host experts (views of the file)."""
+def _host_bridge(path: str, host_tensors: dict, threads: int | None, act: str | None, kind: str):
+    """A HostBridge (``kind`` "callback") or FfiHostBridge ("ffi") over every expert of the
+    layers that have host experts (views of the file)."""
     from ..host import DEFAULT_ACT, HostExpertLayer, HostTensor
     from ..host.bridge import HostBridge
 
@@ -210,4 +216,8 @@ def _host_bridge(path: str, host_tensors: dict, threads: int | None, act: str | 
         except ValueError as e:  # a ggml type without a host kernel: say so at load
             raise GGUFError(path, f"experts of layer {layer} cannot run on the host: {e}",
                             tensor=f"blk.{layer}.ffn_gate_exps.weight") from None
+    if kind == "ffi":
+        from ..host.ffi import FfiHostBridge
+
+        return FfiHostBridge(layers, threads)
     return HostBridge(layers, threads)

@@ -19,9 +19,9 @@ import os
 import sys
 import threading
 
-from ..cli_options import PLACE_HELP, add_residency_args
+from ..cli_options import BRIDGE_HELP, PLACE_HELP, add_residency_args
 from ..errors import BloomeryError
-from ..settings import CONFIG_DIR, load_settings
+from ..settings import BRIDGES, CONFIG_DIR, load_settings
 
 
 class _Parser(argparse.ArgumentParser):
@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="gin binding, e.g. 'RuntimeSettings.max_context = 2048' (repeatable)")
     p.add_argument("--parallel", "-np", type=int, help="sequence slots (default: RuntimeSettings.parallel)")
     p.add_argument("--place", help=PLACE_HELP.replace("(default card)", "(default: RuntimeSettings.placement)"))
+    p.add_argument("--bridge", choices=BRIDGES, help=BRIDGE_HELP.replace("default callback", "default: RuntimeSettings.bridge"))
     add_residency_args(p, record_routing=False)
     p.add_argument("--queue", type=int, default=16, help="requests that may wait for a slot (default 16)")
     p.add_argument("--timeout", type=float, default=600.0,
@@ -98,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         settings = load_settings(args.config or _default_config(path), args.gin_param)
         if args.place is not None:
             settings = dataclasses.replace(settings, placement=args.place)
+        if args.bridge is not None:
+            settings = dataclasses.replace(settings, bridge=args.bridge)
         from ..placement.rules import parse_rule
 
         parse_rule(settings.placement)  # a bad rule is a one-line error before the server starts

@@ -119,7 +119,8 @@ class Provider:
         path = str(default_model.default_model_path()) if is_default else opts.model
         self.model_path = path
         self.log(f"loading {path}")
-        model = load_model(path, place=st.placement, weights=st.weights, kernels=st.kernels, attention=st.attention)
+        model = load_model(path, place=st.placement, weights=st.weights, kernels=st.kernels, attention=st.attention,
+                           bridge=st.bridge)
         tok = Tokenizer.from_gguf(model.gguf)
         source = tok.vocab.chat_template
         if source is None:

@@ -1,0 +1,226 @@
+"""The host bridge through an XLA FFI custom call: the layer kernel runs without Python.
+
+Contract. ``FfiHostBridge(layers, threads)`` is a :class:`~.bridge.HostBridge` whose ``moe`` is
+one ``jax.ffi.ffi_call`` of ``ffi_bridge.cc`` per layer, with the same result bit for bit (the
+same kernel, ``entry.layer_entry``, at the same thread count). On the CPU the handler runs the
+kernel on XLA's buffers; on a CUDA device it enqueues the copies to and from pinned staging
+buffers and the kernel (``cuLaunchHostFunc``) on the step's stream, with no synchronisation,
+so XLA may keep the whole step one CUDA graph. ``stream`` (prefill streaming) is the base
+class's callback.
+
+The library is compiled on first use with the system's C++ compiler (``$CXX``, else ``g++``,
+``c++`` or ``clang++``) against jaxlib's FFI headers, into ``<user cache>/ffi`` keyed on its
+source, the record layout and the jaxlib version; it needs no CUDA toolkit (the driver is
+opened at run time). No compiler, or a failed build, is a :class:`~bloomery_jax.errors.ConfigError`
+at load that names what is missing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import heapq
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import weakref
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..errors import ConfigError
+from . import ffi_layout as F
+from .bridge import BridgeStats, HostBridge
+from .swiglu import _TAB16, _TABBF, ROWS_PER_ITEM, HostExpertLayer, kernel_settings
+
+SOURCE = Path(__file__).resolve().parent / "ffi_bridge.cc"
+TARGET = "bloomery_host_moe"
+N_SLOTS = 1 << 16  # ffi_bridge.cc's kSlots
+
+
+def _compiler() -> str:
+    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    raise ConfigError("the ffi host bridge needs a C++ compiler (g++, c++ or clang++ on PATH, or $CXX); "
+                      "use --bridge callback")
+
+
+@functools.cache
+def library() -> ctypes.CDLL:
+    """Build (once per source and jaxlib), load and register the handlers; the loaded library."""
+    import jaxlib
+
+    from ..default_model import cache_dir
+
+    cxx = _compiler()
+    header = F.c_header()
+    key = hashlib.sha256(SOURCE.read_bytes() + header.encode() + jaxlib.__version__.encode() + cxx.encode())
+    path = cache_dir() / "ffi" / f"libbloomery_bridge-{key.hexdigest()[:16]}.so"
+    if not path.exists():
+        _build(cxx, header, path)
+    lib = ctypes.CDLL(str(path))
+    if lib.bloomery_ffi_record_words() != F.WORDS:
+        raise ConfigError(f"{path}: the bridge library's record layout does not match ffi_layout.py")
+    lib.bloomery_ffi_set_record.argtypes = [ctypes.c_int64, ctypes.c_void_p]
+    lib.bloomery_ffi_pinned_alloc.restype = ctypes.c_void_p
+    lib.bloomery_ffi_pinned_alloc.argtypes = [ctypes.c_int, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_size_t]
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.BloomeryHostMoeCpu), platform="cpu")
+    if _on_cuda():
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.BloomeryHostMoeCuda), platform="CUDA")
+    return lib
+
+
+def _build(cxx: str, header: str, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        (Path(tmp) / "bloomery_ffi_layout.h").write_text(header)
+        out = Path(tmp) / path.name
+        cmd = [cxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-Wno-return-type", f"-I{tmp}",
+               f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(out), "-ldl"]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise ConfigError(f"building the ffi host bridge failed ({' '.join(cmd)}):\n{res.stderr[-2000:]}")
+        os.replace(out, path)  # atomic: another process may be building the same file
+
+
+def _numba_set_threads() -> int:
+    """Address of the C function behind ``numba.set_num_threads`` (it sets the calling thread's
+    count; the handler's thread is not a Python thread). Numba keeps it in a private module."""
+    import numba
+    from numba.np.ufunc import parallel
+
+    numba.get_num_threads()  # starts the threading layer, which sets the pointer
+    fn = getattr(parallel, "_set_num_threads", None)
+    if fn is None:
+        raise ConfigError(f"the ffi host bridge does not know this Numba ({numba.__version__}): no "
+                          "numba.np.ufunc.parallel._set_num_threads; use --bridge callback")
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
+def _on_cuda() -> bool:
+    return any(d.platform == "gpu" for d in jax.devices())
+
+
+class _Slots:
+    """The library's record table: lowest free slot first, so the first bridge of every process
+    gets the same slots and a step from the persistent compilation cache names the right ones."""
+
+    def __init__(self):
+        self._free = list(range(N_SLOTS))
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> list[int]:
+        with self._lock:
+            if len(self._free) < n:
+                raise ConfigError(f"the ffi host bridge has {len(self._free)} free layer slots, {n} wanted")
+            return [heapq.heappop(self._free) for _ in range(n)]
+
+    def give(self, slots) -> None:
+        with self._lock:
+            for s in slots:
+                heapq.heappush(self._free, s)
+
+
+_SLOTS = _Slots()
+
+
+def _release(lib, slots: dict) -> None:
+    for s in slots.values():
+        lib.bloomery_ffi_set_record(s, None)
+    _SLOTS.give(slots.values())
+
+
+class FfiHostBridge(HostBridge):
+    """Host experts of a model behind the FFI custom call (module docstring).
+
+    Args:
+      layers: MoE layer index → its three expert tensors on the host.
+      threads: Numba threads for the host kernels (None = Numba's default).
+    """
+
+    def __init__(self, layers: dict[int, HostExpertLayer], threads: int | None = None):
+        super().__init__(layers, threads)
+        import numba
+
+        from .entry import layer_entry
+
+        self._lib = library()
+        n_threads = int(threads) if threads is not None else numba.config.NUMBA_NUM_THREADS
+        entry = dict(FN=layer_entry.address, SET_THREADS=_numba_set_threads(), THREADS=n_threads)
+        self._records = {i: self._record(layer, entry) for i, layer in self.layers.items()}
+        self._slots = dict(zip(self._records, _SLOTS.take(len(self._records))))
+        for i, s in self._slots.items():
+            self._lib.bloomery_ffi_set_record(s, self._records[i].ctypes.data)
+        weakref.finalize(self, _release, self._lib, dict(self._slots))
+        self._staging: list[int] = []  # every pinned buffer handed out (CUDA graphs may hold them)
+        self._stage_lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"FfiHostBridge({len(self.layers)} layers)"
+
+    @staticmethod
+    def _record(layer: HostExpertLayer, entry: dict) -> np.ndarray:
+        s = kernel_settings(layer)
+        D, Fd = layer.dims
+        g, u, d = layer.gate.raw, layer.up.raw, layer.down.raw
+        rec = np.zeros(F.WORDS, np.int64)
+        values = dict(entry, D=D, F=Fd, E=layer.n_experts, K=0, GATE=g.ctypes.data, UP=u.ctypes.data,
+                      DOWN=d.ctypes.data, GATE_ROW_BYTES=g.shape[2], UP_ROW_BYTES=u.shape[2],
+                      DOWN_ROW_BYTES=d.shape[2], GATE_FMT=s.formats[0], UP_FMT=s.formats[1],
+                      DOWN_FMT=s.formats[2], Q8=int(s.q8), ROWS_PER_ITEM=ROWS_PER_ITEM,
+                      MULTI_MIN1=s.mmin1, MULTI_MIN2=s.mmin2, TAB16=_TAB16.ctypes.data, TABBF=_TABBF.ctypes.data)
+        for name, v in values.items():
+            rec[getattr(F, name)] = int(v)
+        return rec
+
+    @property
+    def stats(self) -> BridgeStats:
+        recs = self._records.values()
+        return BridgeStats(calls=int(sum(r[F.CALLS] for r in recs)), pairs=int(sum(r[F.PAIRS] for r in recs)),
+                           seconds=sum(int(r[F.NANOS]) for r in recs) * 1e-9,
+                           streamed_bytes=self._stats.streamed_bytes)
+
+    def moe(self, i: int, h: jax.Array, experts: jax.Array, weights: jax.Array, on_host: jax.Array) -> jax.Array:
+        """As :meth:`HostBridge.moe`, through the custom call."""
+        n, k = experts.shape
+        rec = self._records[i]
+        if rec[F.K] not in (0, k):
+            raise ValueError(f"FfiHostBridge: layer {i} was called with k = {rec[F.K]} and now {k}")
+        rec[F.K] = k
+        if _on_cuda():
+            self._ensure_staging(n, k)
+        call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(h.shape, jnp.float32))
+        return call(h.astype(jnp.float32), experts.astype(jnp.int32), weights.astype(jnp.float32),
+                    on_host.astype(jnp.bool_), slot=np.int64(self._slots[i]))
+
+    def _ensure_staging(self, n: int, k: int) -> None:
+        """Pinned staging for ``n`` tokens in every record (one set for the bridge: the layers'
+        calls follow each other on the stream). Grows only; the old buffers are kept, since a
+        recorded CUDA graph goes on copying to the addresses it was recorded with."""
+        with self._stage_lock:
+            first = next(iter(self._records.values()))
+            if first[F.STAGE_TOKENS] >= n:
+                return
+            D, E = int(first[F.D]), int(first[F.E])
+            sizes = dict(STAGE_X=4 * n * D, STAGE_EXPERTS=4 * n * k, STAGE_WEIGHTS=4 * n * k, STAGE_ON_HOST=E,
+                         STAGE_OUT=4 * n * D)
+            addresses = {name: self._pinned(size) for name, size in sizes.items()}
+            for rec in self._records.values():
+                for name, a in addresses.items():
+                    rec[getattr(F, name)] = a
+                rec[F.STAGE_TOKENS] = n
+
+    def _pinned(self, size: int) -> int:
+        err = ctypes.create_string_buffer(256)
+        device = jax.devices()[0].id
+        p = self._lib.bloomery_ffi_pinned_alloc(device, max(size, 64), err, len(err))
+        if not p:
+            raise ConfigError(f"ffi host bridge: pinned staging of {size} bytes: {err.value.decode()}")
+        self._staging.append(p)  # never freed while the process runs: recorded graphs may use it
+        return p

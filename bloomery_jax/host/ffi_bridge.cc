@@ -1,0 +1,247 @@
+// The host bridge as XLA FFI handlers: from inside a jitted step to a compiled host function
+// (host/entry.py's Numba cfunc, whose address sits in each layer's record) without Python.
+//
+// A layer's record is an int64 array owned by bloomery_jax.host.ffi (its words are the Field
+// enum, generated from ffi_layout.py). The step names a record by a small slot number (an
+// attribute of the custom call), never by address: a compiled step may come back from JAX's
+// persistent cache in another process, where bloomery_ffi_set_record has filled the table anew.
+//
+// CPU: the handler calls the host function on XLA's buffers directly.
+// CUDA: the handler enqueues, on the step's stream, copies of the inputs into the record's
+// pinned staging buffers, the host function (cuLaunchHostFunc), and the copy of its output
+// back. It never synchronises, so XLA may record it into the step's CUDA graph (the handler is
+// declared command-buffer compatible). The CUDA driver is opened with dlopen, so building
+// this file needs no CUDA toolkit.
+
+#include <dlfcn.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+#include <tuple>
+
+#include "bloomery_ffi_layout.h"  // enum Field: the record's words, generated from ffi_layout.py
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using HostFn = void (*)(int64_t* record, int64_t x, int64_t experts, int64_t weights, int64_t on_host,
+                        int64_t out, int64_t n);
+
+constexpr int64_t kSlots = 1 << 16;
+std::atomic<int64_t*> g_records[kSlots];
+
+int64_t* Record(int64_t slot) {
+  return (slot >= 0 && slot < kSlots) ? g_records[slot].load(std::memory_order_acquire) : nullptr;
+}
+
+// Runs the host function and counts the call: calls, (token, expert) pairs on the host, time.
+void RunHost(int64_t* rec, const void* x, const int32_t* experts, const void* weights, const bool* on_host,
+             void* out, int64_t n) {
+  auto t0 = std::chrono::steady_clock::now();
+  reinterpret_cast<void (*)(int)>(rec[kSetThreads])(static_cast<int>(rec[kThreads]));
+  reinterpret_cast<HostFn>(rec[kFn])(rec, reinterpret_cast<int64_t>(x), reinterpret_cast<int64_t>(experts),
+                                     reinterpret_cast<int64_t>(weights), reinterpret_cast<int64_t>(on_host),
+                                     reinterpret_cast<int64_t>(out), n);
+  int64_t pairs = 0;
+  for (int64_t i = 0; i < n * rec[kK]; ++i) pairs += on_host[experts[i]] ? 1 : 0;
+  auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+  __atomic_fetch_add(&rec[kCalls], 1, __ATOMIC_RELAXED);
+  __atomic_fetch_add(&rec[kPairs], pairs, __ATOMIC_RELAXED);
+  __atomic_fetch_add(&rec[kNanos], static_cast<int64_t>(ns), __ATOMIC_RELAXED);
+}
+
+// The slot's record, after checking the call's shapes against it: x [n, D], experts and
+// weights [n, k], on_host [E], out [n, D].
+ffi::ErrorOr<int64_t*> Checked(int64_t slot, const ffi::AnyBuffer& x, const ffi::AnyBuffer& experts,
+                               const ffi::AnyBuffer& weights, const ffi::AnyBuffer& on_host,
+                               const ffi::Result<ffi::AnyBuffer>& out) {
+  int64_t* rec = Record(slot);
+  if (rec == nullptr)
+    return ffi::Error::InvalidArgument("bloomery host bridge: slot " + std::to_string(slot) +
+                                       " has no layer record (its bridge was freed?)");
+  if (x.element_type() != ffi::F32 || experts.element_type() != ffi::S32 || weights.element_type() != ffi::F32 ||
+      on_host.element_type() != ffi::PRED || out->element_type() != ffi::F32)
+    return ffi::Error::InvalidArgument("bloomery host bridge: wants f32 x, s32 experts, f32 weights, pred on_host");
+  auto xd = x.dimensions(), ed = experts.dimensions(), wd = weights.dimensions(), hd = on_host.dimensions();
+  auto od = out->dimensions();
+  if (xd.size() != 2 || ed.size() != 2 || wd.size() != 2 || hd.size() != 1 || od.size() != 2 ||
+      xd[1] != rec[kD] || ed[0] != xd[0] || ed[1] != rec[kK] || wd[0] != ed[0] || wd[1] != ed[1] ||
+      hd[0] != rec[kE] || od[0] != xd[0] || od[1] != xd[1])
+    return ffi::Error::InvalidArgument("bloomery host bridge: shapes do not match the layer record");
+  return rec;
+}
+
+ffi::Error HostMoeCpu(int64_t slot, ffi::AnyBuffer x, ffi::AnyBuffer experts, ffi::AnyBuffer weights,
+                      ffi::AnyBuffer on_host, ffi::Result<ffi::AnyBuffer> out) {
+  auto rec = Checked(slot, x, experts, weights, on_host, out);
+  if (rec.has_error()) return rec.error();
+  RunHost(*rec, x.untyped_data(), static_cast<const int32_t*>(experts.untyped_data()), weights.untyped_data(),
+          static_cast<const bool*>(on_host.untyped_data()), out->untyped_data(), x.dimensions()[0]);
+  return ffi::Error::Success();
+}
+
+// --- CUDA, through the driver API -------------------------------------------------------------
+struct CUstream_st;
+using CUstream = CUstream_st*;
+using CUresult = int;
+
+struct Driver {
+  CUresult (*init)(unsigned) = nullptr;
+  CUresult (*device_get)(int*, int) = nullptr;
+  CUresult (*primary_ctx_retain)(void**, int) = nullptr;
+  CUresult (*ctx_push)(void*) = nullptr;
+  CUresult (*ctx_pop)(void**) = nullptr;
+  CUresult (*host_alloc)(void**, size_t, unsigned) = nullptr;
+  CUresult (*host_free)(void*) = nullptr;
+  CUresult (*memcpy_async)(uint64_t, uint64_t, size_t, CUstream) = nullptr;
+  CUresult (*launch_host_func)(CUstream, void (*)(void*), void*) = nullptr;
+  std::string error;
+};
+
+const Driver& Cuda() {
+  static const Driver driver = [] {
+    Driver d;
+    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (lib == nullptr) {
+      d.error = std::string("cannot open libcuda.so.1: ") + dlerror();
+      return d;
+    }
+    auto sym = [&](auto& fn, const char* name) {
+      fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(lib, name));
+      if (fn == nullptr && d.error.empty()) d.error = std::string("libcuda.so.1 has no ") + name;
+    };
+    sym(d.init, "cuInit");
+    sym(d.device_get, "cuDeviceGet");
+    sym(d.primary_ctx_retain, "cuDevicePrimaryCtxRetain");
+    sym(d.ctx_push, "cuCtxPushCurrent_v2");
+    sym(d.ctx_pop, "cuCtxPopCurrent_v2");
+    sym(d.host_alloc, "cuMemHostAlloc");
+    sym(d.host_free, "cuMemFreeHost");
+    sym(d.memcpy_async, "cuMemcpyAsync");
+    sym(d.launch_host_func, "cuLaunchHostFunc");
+    return d;
+  }();
+  return driver;
+}
+
+// What one enqueued host function needs. The pointer is the host node's argument, so it has to
+// outlive every CUDA graph that recorded it: made once per (record, staging, n) and kept.
+struct HostCall {
+  int64_t* rec;
+  const void* x;
+  const int32_t* experts;
+  const void* weights;
+  const bool* on_host;
+  void* out;
+  int64_t n;
+};
+
+HostCall* Intern(int64_t* rec, int64_t n) {
+  static std::mutex mu;
+  static std::map<std::tuple<int64_t*, int64_t, int64_t>, HostCall*> calls;
+  std::lock_guard<std::mutex> lock(mu);
+  auto key = std::make_tuple(rec, rec[kStageX], n);
+  auto it = calls.find(key);
+  if (it != calls.end()) return it->second;
+  auto* c = new HostCall{rec,
+                         reinterpret_cast<const void*>(rec[kStageX]),
+                         reinterpret_cast<const int32_t*>(rec[kStageExperts]),
+                         reinterpret_cast<const void*>(rec[kStageWeights]),
+                         reinterpret_cast<const bool*>(rec[kStageOnHost]),
+                         reinterpret_cast<void*>(rec[kStageOut]),
+                         n};
+  calls.emplace(key, c);
+  return c;
+}
+
+void HostCallback(void* arg) {
+  auto* c = static_cast<HostCall*>(arg);
+  RunHost(c->rec, c->x, c->experts, c->weights, c->on_host, c->out, c->n);
+}
+
+ffi::Error HostMoeCuda(CUstream stream, int64_t slot, ffi::AnyBuffer x, ffi::AnyBuffer experts,
+                       ffi::AnyBuffer weights, ffi::AnyBuffer on_host, ffi::Result<ffi::AnyBuffer> out) {
+  auto checked = Checked(slot, x, experts, weights, on_host, out);
+  if (checked.has_error()) return checked.error();
+  int64_t* rec = *checked;
+  const Driver& cu = Cuda();
+  if (!cu.error.empty()) return ffi::Error::Internal("bloomery host bridge: " + cu.error);
+  int64_t n = x.dimensions()[0];
+  if (n > rec[kStageTokens])
+    return ffi::Error::Internal("bloomery host bridge: " + std::to_string(n) + " tokens but staging for " +
+                                std::to_string(rec[kStageTokens]));
+  HostCall* c = Intern(rec, n);
+  auto dev = [](const void* p) { return reinterpret_cast<uint64_t>(p); };
+  CUresult r = 0;
+  r |= cu.memcpy_async(dev(c->x), dev(x.untyped_data()), x.size_bytes(), stream);
+  r |= cu.memcpy_async(dev(c->experts), dev(experts.untyped_data()), experts.size_bytes(), stream);
+  r |= cu.memcpy_async(dev(c->weights), dev(weights.untyped_data()), weights.size_bytes(), stream);
+  r |= cu.memcpy_async(dev(c->on_host), dev(on_host.untyped_data()), on_host.size_bytes(), stream);
+  r |= cu.launch_host_func(stream, HostCallback, c);
+  r |= cu.memcpy_async(dev(out->untyped_data()), dev(c->out), out->size_bytes(), stream);
+  if (r != 0) return ffi::Error::Internal("bloomery host bridge: a CUDA driver call failed");
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BloomeryHostMoeCpu, HostMoeCpu,
+                              ffi::Ffi::Bind()
+                                  .Attr<int64_t>("slot")
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BloomeryHostMoeCuda, HostMoeCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<CUstream>>()
+                                  .Attr<int64_t>("slot")
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>(),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+extern "C" {
+
+int bloomery_ffi_record_words() { return kWords; }
+
+// Points slot at a record (nullptr clears it); 0 on success.
+int bloomery_ffi_set_record(int64_t slot, int64_t* record) {
+  if (slot < 0 || slot >= kSlots) return 1;
+  g_records[slot].store(record, std::memory_order_release);
+  return 0;
+}
+
+// Page-locked host memory usable by the device `ordinal`'s copies (cuMemHostAlloc, portable);
+// nullptr with a message in `error` (of `error_len` bytes) on failure.
+void* bloomery_ffi_pinned_alloc(int ordinal, size_t bytes, char* error, size_t error_len) {
+  const Driver& cu = Cuda();
+  auto fail = [&](const std::string& msg) -> void* {
+    snprintf(error, error_len, "%s", msg.c_str());
+    return nullptr;
+  };
+  if (!cu.error.empty()) return fail(cu.error);
+  int device = 0;
+  void* ctx = nullptr;
+  void* p = nullptr;
+  if (cu.init(0) != 0 || cu.device_get(&device, ordinal) != 0 || cu.primary_ctx_retain(&ctx, device) != 0)
+    return fail("no CUDA context for device " + std::to_string(ordinal));
+  if (cu.ctx_push(ctx) != 0) return fail("cannot make the CUDA context current");
+  CUresult r = cu.host_alloc(&p, bytes, 1 /* CU_MEMHOSTALLOC_PORTABLE */);
+  void* popped = nullptr;
+  cu.ctx_pop(&popped);
+  if (r != 0) return fail("cuMemHostAlloc of " + std::to_string(bytes) + " bytes failed (" + std::to_string(r) + ")");
+  return p;
+}
+
+}  // extern "C"

@@ -1,0 +1,23 @@
+"""Word layout of a host-bridge layer record: one int64 array per layer, read by ``entry`` (Numba)
+and by ``ffi_bridge.cc`` (whose ``Field`` enum is generated from ``FIELDS`` at build time)."""
+
+FIELDS = (
+    "FN",  # address of the host function (entry.layer_entry)
+    "SET_THREADS",  # address of Numba's set_num_threads(int) for the calling thread, called before FN
+    "D", "F", "E", "K",  # model width, expert width, experts, experts per token
+    "GATE", "UP", "DOWN",  # addresses of the expert tensors, uint8 [E, rows, row_bytes]
+    "GATE_ROW_BYTES", "UP_ROW_BYTES", "DOWN_ROW_BYTES",
+    "GATE_FMT", "UP_FMT", "DOWN_FMT", "Q8", "ROWS_PER_ITEM", "THREADS", "MULTI_MIN1", "MULTI_MIN2",
+    "TAB16", "TABBF",  # addresses of the f16 / bf16 conversion tables
+    # CUDA only: pinned staging (tokens it holds; x, experts, weights, on_host, out)
+    "STAGE_TOKENS", "STAGE_X", "STAGE_EXPERTS", "STAGE_WEIGHTS", "STAGE_ON_HOST", "STAGE_OUT",
+    "CALLS", "PAIRS", "NANOS",  # counters, added to by the handler
+)
+WORDS = len(FIELDS)
+globals().update({name: i for i, name in enumerate(FIELDS)})
+
+
+def c_header() -> str:
+    """The ``Field`` enum for ``ffi_bridge.cc``."""
+    names = "".join(f"  k{name.title().replace('_', '')} = {i},\n" for i, name in enumerate(FIELDS))
+    return f"enum Field : int {{\n{names}  kWords = {WORDS}\n}};\n"
