@@ -17,6 +17,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <cstdint>
 #include <map>
 #include <mutex>
@@ -165,28 +166,35 @@ void HostCallback(void* arg) {
   RunHost(c->rec, c->x, c->experts, c->weights, c->on_host, c->out, c->n);
 }
 
-ffi::Error HostMoeCuda(CUstream stream, int64_t slot, ffi::AnyBuffer x, ffi::AnyBuffer experts,
-                       ffi::AnyBuffer weights, ffi::AnyBuffer on_host, ffi::Result<ffi::AnyBuffer> out) {
-  auto checked = Checked(slot, x, experts, weights, on_host, out);
-  if (checked.has_error()) return checked.error();
-  int64_t* rec = *checked;
+// The CUDA path's work for one call: copies in, the host function, the copy out, all queued on
+// `stream`. The buffers are device pointers of the sizes the record gives for n tokens.
+ffi::Error Enqueue(CUstream stream, int64_t* rec, const void* x, const void* experts, const void* weights,
+                   const void* on_host, void* out, int64_t n) {
   const Driver& cu = Cuda();
   if (!cu.error.empty()) return ffi::Error::Internal("bloomery host bridge: " + cu.error);
-  int64_t n = x.dimensions()[0];
   if (n > rec[kStageTokens])
     return ffi::Error::Internal("bloomery host bridge: " + std::to_string(n) + " tokens but staging for " +
                                 std::to_string(rec[kStageTokens]));
   HostCall* c = Intern(rec, n);
+  size_t act = 4 * n * rec[kD], pairs = 4 * n * rec[kK];
   auto dev = [](const void* p) { return reinterpret_cast<uint64_t>(p); };
   CUresult r = 0;
-  r |= cu.memcpy_async(dev(c->x), dev(x.untyped_data()), x.size_bytes(), stream);
-  r |= cu.memcpy_async(dev(c->experts), dev(experts.untyped_data()), experts.size_bytes(), stream);
-  r |= cu.memcpy_async(dev(c->weights), dev(weights.untyped_data()), weights.size_bytes(), stream);
-  r |= cu.memcpy_async(dev(c->on_host), dev(on_host.untyped_data()), on_host.size_bytes(), stream);
+  r |= cu.memcpy_async(dev(c->x), dev(x), act, stream);
+  r |= cu.memcpy_async(dev(c->experts), dev(experts), pairs, stream);
+  r |= cu.memcpy_async(dev(c->weights), dev(weights), pairs, stream);
+  r |= cu.memcpy_async(dev(c->on_host), dev(on_host), rec[kE], stream);
   r |= cu.launch_host_func(stream, HostCallback, c);
-  r |= cu.memcpy_async(dev(out->untyped_data()), dev(c->out), out->size_bytes(), stream);
+  r |= cu.memcpy_async(dev(out), dev(c->out), act, stream);
   if (r != 0) return ffi::Error::Internal("bloomery host bridge: a CUDA driver call failed");
   return ffi::Error::Success();
+}
+
+ffi::Error HostMoeCuda(CUstream stream, int64_t slot, ffi::AnyBuffer x, ffi::AnyBuffer experts,
+                       ffi::AnyBuffer weights, ffi::AnyBuffer on_host, ffi::Result<ffi::AnyBuffer> out) {
+  auto rec = Checked(slot, x, experts, weights, on_host, out);
+  if (rec.has_error()) return rec.error();
+  return Enqueue(stream, *rec, x.untyped_data(), experts.untyped_data(), weights.untyped_data(),
+                 on_host.untyped_data(), out->untyped_data(), x.dimensions()[0]);
 }
 
 }  // namespace
@@ -220,6 +228,19 @@ int bloomery_ffi_set_record(int64_t slot, int64_t* record) {
   if (slot < 0 || slot >= kSlots) return 1;
   g_records[slot].store(record, std::memory_order_release);
   return 0;
+}
+
+// For tests on machines without a GPU: the CUDA path's queue of work (Enqueue) for slot's record
+// on a null stream, with whatever libcuda.so.1 the process has loaded (tests load a stand-in that
+// runs every call at once). 0 on success, else 1 with the message in `error`.
+int bloomery_ffi_test_enqueue(int64_t slot, const void* x, const void* experts, const void* weights,
+                              const void* on_host, void* out, int64_t n, char* error, size_t error_len) {
+  int64_t* rec = Record(slot);
+  ffi::Error e = rec == nullptr ? ffi::Error::InvalidArgument("no record")
+                                : Enqueue(nullptr, rec, x, experts, weights, on_host, out, n);
+  if (e.success()) return 0;
+  snprintf(error, error_len, "%s", e.message().c_str());
+  return 1;
 }
 
 // Page-locked host memory usable by the device `ordinal`'s copies (cuMemHostAlloc, portable);
