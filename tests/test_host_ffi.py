@@ -133,6 +133,26 @@ def test_hybrid_model_same_logits_and_tokens_as_callback(synth_model):
     assert decoded[1] == decoded[0]
 
 
+def test_prefill_streaming_same_logits_and_bytes_as_callback(synth_model):
+    """Steps of 32 tokens or more copy each host layer's whole expert tensors to the device
+    (the stream custom call): the same logits as the callback bridge, the same bytes counted,
+    no host kernel call."""
+    path, _ = synth_model(qtype="Q4_K_M", seed=11, **SHAPE)
+    tokens, pos = prompt()[None, :32], np.arange(32)[None]
+    logits, streamed = [], []
+    for kind in ("callback", "ffi"):
+        model = load_model(path, place="cpu-moe", bridge=kind)
+        step = jax.jit(forward, static_argnums=1)
+        for _ in range(2):
+            out, _, _ = step(model.params, model.cfg, jnp.asarray(tokens), jnp.asarray(pos), model.init_cache(1, 32),
+                             model.placement)
+        logits.append(np.asarray(out))
+        bridge = model.placement.host
+        per_step = sum(getattr(layer, r).data.nbytes for layer in bridge.layers.values() for r in ("gate", "up", "down"))
+        assert bridge.stats.streamed_bytes == 2 * per_step and bridge.stats.calls == 0
+    np.testing.assert_array_equal(logits[1], logits[0])
+
+
 def test_bad_bridge_name_is_a_config_error(synth_model):
     path, _ = synth_model(qtype="Q8_0", seed=11, **SHAPE)
     with pytest.raises(ConfigError, match="bridge='pipe'"):
@@ -188,6 +208,12 @@ for n in (3, 1, 3):  # new sizes intern new host calls; a size seen before reuse
     out = np.full_like(xs, np.nan)
     assert enqueue(xs, es, ws, on_host, out) == 0, err.value
     np.testing.assert_array_equal(out, host_moe_swiglu(xs, es, ws, on_host, layer))
+pinned = bridge._pinned_layer(layer)  # what a GPU bridge computes on: the same bytes, pinned
+for r in ("gate", "up", "down"):
+    a, b = getattr(pinned, r).data, getattr(layer, r).data
+    assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b) and not np.shares_memory(a, b)
+np.testing.assert_array_equal(host_moe_swiglu(x, experts, weights, on_host, pinned),
+                              host_moe_swiglu(x, experts, weights, on_host, layer))
 st = bridge.stats
 assert st.calls == 3 and st.pairs == int(on_host[experts].sum()) * 2 + int(on_host[experts[:1]].sum()), st
 print("ok")

@@ -5,8 +5,8 @@ one ``jax.ffi.ffi_call`` of ``ffi_bridge.cc`` per layer, with the same result bi
 same kernel, ``entry.layer_entry``, at the same thread count). On the CPU the handler runs the
 kernel on XLA's buffers; on a CUDA device it enqueues the copies to and from pinned staging
 buffers and the kernel (``cuLaunchHostFunc``) on the step's stream, with no synchronisation,
-so XLA may keep the whole step one CUDA graph. ``stream`` (prefill streaming) is the base
-class's callback.
+so XLA may keep the whole step one CUDA graph. ``stream`` (prefill streaming) is a second
+custom call that copies a layer's whole expert tensor to the step's device.
 
 The library is compiled on first use with the system's C++ compiler (``$CXX``, else ``g++``,
 ``c++`` or ``clang++``) against jaxlib's FFI headers, into ``<user cache>/ffi`` keyed on its
@@ -36,10 +36,12 @@ import numpy as np
 from ..errors import ConfigError
 from . import ffi_layout as F
 from .bridge import BridgeStats, HostBridge
-from .swiglu import _TAB16, _TABBF, ROWS_PER_ITEM, HostExpertLayer, kernel_settings
+from .swiglu import _TAB16, _TABBF, ROWS_PER_ITEM, HostExpertLayer, HostTensor, kernel_settings
 
 SOURCE = Path(__file__).resolve().parent / "ffi_bridge.cc"
 TARGET = "bloomery_host_moe"
+STREAM_TARGET = "bloomery_host_stream"
+ROLES = ("gate", "up", "down")  # the stream handler's role numbers
 N_SLOTS = 1 << 16  # ffi_bridge.cc's kSlots
 
 
@@ -70,9 +72,11 @@ def library() -> ctypes.CDLL:
     lib.bloomery_ffi_set_record.argtypes = [ctypes.c_int64, ctypes.c_void_p]
     lib.bloomery_ffi_pinned_alloc.restype = ctypes.c_void_p
     lib.bloomery_ffi_pinned_alloc.argtypes = [ctypes.c_int, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_size_t]
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.BloomeryHostMoeCpu), platform="cpu")
-    if _on_cuda():
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.BloomeryHostMoeCuda), platform="CUDA")
+    for target, cpu, cuda in ((TARGET, lib.BloomeryHostMoeCpu, lib.BloomeryHostMoeCuda),
+                              (STREAM_TARGET, lib.BloomeryStreamCpu, lib.BloomeryStreamCuda)):
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(cpu), platform="cpu")
+        if _on_cuda():
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(cuda), platform="CUDA")
     return lib
 
 
@@ -137,7 +141,12 @@ def _release(lib, slots: dict) -> None:
 
 
 class FfiHostBridge(HostBridge):
-    """Host experts of a model behind the FFI custom call (module docstring).
+    """Host experts of a model behind the FFI custom calls (module docstring).
+
+    On a CUDA device the experts are first copied from the file into pinned memory, which the
+    host kernels then read and from which prefill streams them to the card (``stream``: one
+    ``cuMemcpyAsync`` per tensor on the step's stream, at the link's speed; from the file's
+    pageable pages a copy goes through a bounce buffer at a fraction of it).
 
     Args:
       layers: MoE layer index → its three expert tensors on the host.
@@ -145,12 +154,15 @@ class FfiHostBridge(HostBridge):
     """
 
     def __init__(self, layers: dict[int, HostExpertLayer], threads: int | None = None):
-        super().__init__(layers, threads)
         import numba
 
         from .entry import layer_entry
 
         self._lib = library()
+        self._staging: list[int] = []  # every pinned buffer handed out (CUDA graphs may hold them)
+        if _on_cuda():
+            layers = {i: self._pinned_layer(layer) for i, layer in layers.items()}
+        super().__init__(layers, threads)
         n_threads = int(threads) if threads is not None else numba.config.NUMBA_NUM_THREADS
         entry = dict(FN=layer_entry.address, SET_THREADS=_numba_set_threads(), THREADS=n_threads)
         self._records = {i: self._record(layer, entry) for i, layer in self.layers.items()}
@@ -158,7 +170,6 @@ class FfiHostBridge(HostBridge):
         for i, s in self._slots.items():
             self._lib.bloomery_ffi_set_record(s, self._records[i].ctypes.data)
         weakref.finalize(self, _release, self._lib, dict(self._slots))
-        self._staging: list[int] = []  # every pinned buffer handed out (CUDA graphs may hold them)
         self._stage_lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -184,7 +195,7 @@ class FfiHostBridge(HostBridge):
         recs = self._records.values()
         return BridgeStats(calls=int(sum(r[F.CALLS] for r in recs)), pairs=int(sum(r[F.PAIRS] for r in recs)),
                            seconds=sum(int(r[F.NANOS]) for r in recs) * 1e-9,
-                           streamed_bytes=self._stats.streamed_bytes)
+                           streamed_bytes=int(sum(r[F.STREAMED] for r in recs)))
 
     def moe(self, i: int, h: jax.Array, experts: jax.Array, weights: jax.Array, on_host: jax.Array) -> jax.Array:
         """As :meth:`HostBridge.moe`, through the custom call."""
@@ -198,6 +209,26 @@ class FfiHostBridge(HostBridge):
         call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(h.shape, jnp.float32))
         return call(h.astype(jnp.float32), experts.astype(jnp.int32), weights.astype(jnp.float32),
                     on_host.astype(jnp.bool_), slot=np.int64(self._slots[i]))
+
+    def stream(self, i: int, role: str):
+        """As :meth:`HostBridge.stream`, through the custom call (a copy on the step's stream)."""
+        from ..quant import QTensor
+
+        t = getattr(self.layers[i], role)
+        call = jax.ffi.ffi_call(STREAM_TARGET, jax.ShapeDtypeStruct(t.data.shape, t.data.dtype))
+        return QTensor(call(slot=np.int64(self._slots[i]), role=np.int64(ROLES.index(role))), int(t.qtype),
+                       tuple(t.shape))
+
+    def _pinned_layer(self, layer: HostExpertLayer) -> HostExpertLayer:
+        """``layer`` with its three tensors copied into pinned memory."""
+        tensors = []
+        for t in (layer.gate, layer.up, layer.down):
+            size = int(t.data.nbytes)
+            buf = (ctypes.c_uint8 * size).from_address(self._pinned(size))
+            data = np.frombuffer(buf, np.uint8).view(t.data.dtype).reshape(t.data.shape)
+            data[...] = t.data
+            tensors.append(HostTensor(data, t.qtype, t.shape))
+        return HostExpertLayer(*tensors, act=layer.act)
 
     def _ensure_staging(self, n: int, k: int) -> None:
         """Pinned staging for ``n`` tokens in every record (one set for the bridge: the layers'

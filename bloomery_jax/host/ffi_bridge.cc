@@ -18,11 +18,13 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <cstdint>
 #include <map>
 #include <mutex>
 #include <string>
 #include <tuple>
+#include <utility>
 
 #include "bloomery_ffi_layout.h"  // enum Field: the record's words, generated from ffi_layout.py
 #include "xla/ffi/api/ffi.h"
@@ -76,6 +78,31 @@ ffi::ErrorOr<int64_t*> Checked(int64_t slot, const ffi::AnyBuffer& x, const ffi:
       hd[0] != rec[kE] || od[0] != xd[0] || od[1] != xd[1])
     return ffi::Error::InvalidArgument("bloomery host bridge: shapes do not match the layer record");
   return rec;
+}
+
+// A layer's expert tensor `role` (0 gate, 1 up, 2 down): its address and byte size, or an error
+// when the output buffer is not exactly that size.
+ffi::ErrorOr<std::pair<const void*, size_t>> Tensor(int64_t slot, int64_t role, const ffi::Result<ffi::AnyBuffer>& out) {
+  int64_t* rec = Record(slot);
+  if (rec == nullptr || role < 0 || role > 2)
+    return ffi::Error::InvalidArgument("bloomery host bridge: no layer record at slot " + std::to_string(slot) +
+                                       " or a role not in 0..2");
+  const int64_t address[] = {rec[kGate], rec[kUp], rec[kDown]};
+  const int64_t rows[] = {rec[kF], rec[kF], rec[kD]};
+  const int64_t row_bytes[] = {rec[kGateRowBytes], rec[kUpRowBytes], rec[kDownRowBytes]};
+  size_t bytes = static_cast<size_t>(rec[kE] * rows[role] * row_bytes[role]);
+  if (out->size_bytes() != bytes)
+    return ffi::Error::InvalidArgument("bloomery host bridge: stream output of " + std::to_string(out->size_bytes()) +
+                                       " bytes for a tensor of " + std::to_string(bytes));
+  return std::make_pair(reinterpret_cast<const void*>(address[role]), bytes);
+}
+
+ffi::Error StreamCpu(int64_t slot, int64_t role, ffi::Result<ffi::AnyBuffer> out) {
+  auto t = Tensor(slot, role, out);
+  if (t.has_error()) return t.error();
+  std::memcpy(out->untyped_data(), t->first, t->second);
+  __atomic_fetch_add(&Record(slot)[kStreamed], static_cast<int64_t>(t->second), __ATOMIC_RELAXED);
+  return ffi::Error::Success();
 }
 
 ffi::Error HostMoeCpu(int64_t slot, ffi::AnyBuffer x, ffi::AnyBuffer experts, ffi::AnyBuffer weights,
@@ -189,6 +216,42 @@ ffi::Error Enqueue(CUstream stream, int64_t* rec, const void* x, const void* exp
   return ffi::Error::Success();
 }
 
+// One copy of a whole expert tensor to the card, queued on the stream (prefill streaming). The
+// tensor is in pinned memory (the bridge copies the file's experts there on a GPU), so the copy
+// runs at the link's speed and may be recorded into a CUDA graph.
+// The copy's bytes are counted by a host function queued after it: a recorded graph replays the
+// copy without calling the handler again.
+struct StreamCount {
+  int64_t* rec;
+  int64_t bytes;
+};
+
+void CountStreamed(void* arg) {
+  auto* c = static_cast<StreamCount*>(arg);
+  __atomic_fetch_add(&c->rec[kStreamed], c->bytes, __ATOMIC_RELAXED);
+}
+
+ffi::Error StreamCuda(CUstream stream, int64_t slot, int64_t role, ffi::Result<ffi::AnyBuffer> out) {
+  auto t = Tensor(slot, role, out);
+  if (t.has_error()) return t.error();
+  const Driver& cu = Cuda();
+  if (!cu.error.empty()) return ffi::Error::Internal("bloomery host bridge: " + cu.error);
+  static std::mutex mu;
+  static std::map<std::pair<int64_t*, int64_t>, StreamCount*> counts;  // kept: graphs hold them
+  StreamCount* count;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto& c = counts[{Record(slot), role}];
+    if (c == nullptr) c = new StreamCount{Record(slot), static_cast<int64_t>(t->second)};
+    count = c;
+  }
+  if (cu.memcpy_async(reinterpret_cast<uint64_t>(out->untyped_data()), reinterpret_cast<uint64_t>(t->first),
+                      t->second, stream) != 0 ||
+      cu.launch_host_func(stream, CountStreamed, count) != 0)
+    return ffi::Error::Internal("bloomery host bridge: queueing the copy of an expert tensor failed");
+  return ffi::Error::Success();
+}
+
 ffi::Error HostMoeCuda(CUstream stream, int64_t slot, ffi::AnyBuffer x, ffi::AnyBuffer experts,
                        ffi::AnyBuffer weights, ffi::AnyBuffer on_host, ffi::Result<ffi::AnyBuffer> out) {
   auto rec = Checked(slot, x, experts, weights, on_host, out);
@@ -216,6 +279,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BloomeryHostMoeCuda, HostMoeCuda,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>(),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BloomeryStreamCpu, StreamCpu,
+                              ffi::Ffi::Bind().Attr<int64_t>("slot").Attr<int64_t>("role").Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BloomeryStreamCuda, StreamCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<CUstream>>()
+                                  .Attr<int64_t>("slot")
+                                  .Attr<int64_t>("role")
                                   .Ret<ffi::AnyBuffer>(),
                               {ffi::Traits::kCmdBufferCompatible});
 

@@ -11,7 +11,8 @@ FIELDS = (
     "TAB16", "TABBF",  # addresses of the f16 / bf16 conversion tables
     # CUDA only: pinned staging (tokens it holds; x, experts, weights, on_host, out)
     "STAGE_TOKENS", "STAGE_X", "STAGE_EXPERTS", "STAGE_WEIGHTS", "STAGE_ON_HOST", "STAGE_OUT",
-    "CALLS", "PAIRS", "NANOS",  # counters, added to by the handler
+    "CALLS", "PAIRS", "NANOS",  # counters, added to by the host function
+    "STREAMED",  # expert bytes copied by the stream handler
 )
 WORDS = len(FIELDS)
 globals().update({name: i for i, name in enumerate(FIELDS)})
