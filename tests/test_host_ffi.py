@@ -153,6 +153,18 @@ def test_prefill_streaming_same_logits_and_bytes_as_callback(synth_model):
     np.testing.assert_array_equal(logits[1], logits[0])
 
 
+def test_ffi_steps_have_no_conditional(synth_model):
+    """The callback bridge's steps branch around the host call; the ffi bridge's call stands in
+    the step's straight-line code (a conditional would sync the stream on a GPU)."""
+    path, _ = synth_model(qtype="Q8_0", seed=11, **SHAPE)
+    tokens, pos = jnp.asarray(prompt()[None, :4]), jnp.asarray(np.arange(4)[None])
+    for kind, branches in (("callback", True), ("ffi", False)):
+        model = load_model(path, place="n-cpu-moe=1", bridge=kind)
+        hlo = jax.jit(forward, static_argnums=1).lower(model.params, model.cfg, tokens, pos, model.init_cache(1, 4),
+                                                       model.placement).as_text()
+        assert ("stablehlo.case" in hlo or "stablehlo.if" in hlo) == branches, kind
+
+
 def test_bad_bridge_name_is_a_config_error(synth_model):
     path, _ = synth_model(qtype="Q8_0", seed=11, **SHAPE)
     with pytest.raises(ConfigError, match="bridge='pipe'"):

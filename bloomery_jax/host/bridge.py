@@ -48,6 +48,10 @@ class HostBridge:
       threads: Numba threads for the host kernels (None = Numba's default).
     """
 
+    # Steps branch around ``moe`` when none of their pairs is on the host: a callback synchronises
+    # the stream anyway, so reading the branch's predicate costs nothing more.
+    skip_empty_calls = True
+
     def __init__(self, layers: dict[int, HostExpertLayer], threads: int | None = None):
         self.layers = dict(layers)
         self.threads = threads

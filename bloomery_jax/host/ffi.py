@@ -153,6 +153,12 @@ class FfiHostBridge(HostBridge):
       threads: Numba threads for the host kernels (None = Numba's default).
     """
 
+    # No branch around ``moe``: XLA's CUDA graphs leave conditionals out by default, and outside a
+    # graph a conditional reads its predicate on the host, which would synchronise the stream at
+    # every layer and cut the step's graph there. A call with no host pair copies the
+    # activations and back and runs a kernel that returns at once.
+    skip_empty_calls = False
+
     def __init__(self, layers: dict[int, HostExpertLayer], threads: int | None = None):
         import numba
 

@@ -198,8 +198,11 @@ def placed_moe_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate
                          act_rounding, precision)
     if host is not None:
         on_host = slot_of < 0  # [E]
-        # a step whose pairs are all on the card skips the round trip (~200 us on the H200); the
-        # branch costs a predicate read, which the callback would have synchronised anyway
-        out = out + jax.lax.cond(jnp.any(on_host[experts]), lambda: host.moe(layer, x, experts, weights, on_host),
-                                 lambda: jnp.zeros(x.shape, jnp.float32))
+        if host.skip_empty_calls:
+            # a step whose pairs are all on the card skips the round trip (~200 us on the H200);
+            # the branch costs a predicate read, which the callback would have synchronised anyway
+            out = out + jax.lax.cond(jnp.any(on_host[experts]), lambda: host.moe(layer, x, experts, weights, on_host),
+                                     lambda: jnp.zeros(x.shape, jnp.float32))
+        else:
+            out = out + host.moe(layer, x, experts, weights, on_host)
     return out
