@@ -27,10 +27,10 @@ import time
 
 import numpy as np
 
-from .cli_options import ATTENTION_HELP, BRIDGE_HELP, KERNELS_HELP, PLACE_HELP, WEIGHTS_HELP, add_residency_args
+from .cli_options import ATTENTION_HELP, BRIDGE_HELP, KERNELS_HELP, ROUTING_HELP, PLACE_HELP, WEIGHTS_HELP, add_residency_args
 from .engine.steps import bucket_for
 from .errors import BloomeryError, ConfigError
-from .settings import ATTENTION, BRIDGES, KERNELS, WEIGHT_FORMS
+from .settings import ATTENTION, BRIDGES, KERNELS, ROUTING, WEIGHT_FORMS
 
 
 class _Parser(argparse.ArgumentParser):
@@ -64,6 +64,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kernels", choices=KERNELS, default="auto", help=KERNELS_HELP)
     p.add_argument("--attention", choices=ATTENTION, default="xla", help=ATTENTION_HELP)
     p.add_argument("--bridge", choices=BRIDGES, default="callback", help=BRIDGE_HELP)
+    p.add_argument("--routing", choices=ROUTING, default="xla", help=ROUTING_HELP)
     add_residency_args(p)
     p.add_argument("--json", action="store_true", help="one JSON record per line instead of a table")
     p.add_argument("--no-compile-cache", action="store_true", help="do not use the persistent compilation cache")
@@ -181,7 +182,7 @@ def run(argv: list[str] | None = None, out=None, err=None) -> list[dict]:
         enable_compile_cache()
     progress = Progress(err or sys.stderr, quiet=args.quiet)
     model, _, load_s = open_model(args.model, progress, args.place, args.weights, args.kernels, args.attention,
-                                  args.bridge)
+                                  args.bridge, args.routing)
     witness = source_witness()
     size = sum(int(t.data.nbytes) for t in model.gguf.tensors.values())
     from .models.loader import resolve_kernels
@@ -193,8 +194,9 @@ def run(argv: list[str] | None = None, out=None, err=None) -> list[dict]:
         recs, compile_s = run_parallel(model, args, parallel, progress, rng)
         for r in recs:
             r.update(model=str(model.path), architecture=model.gguf.architecture, model_bytes=size,
-                     ubatch=args.ubatch, kv_dtype=args.kv_dtype, kernels=kernels, attention=args.attention, bridge=args.bridge,
-                     weights=args.weights, reps=args.reps, load_s=load_s, compile_s=compile_s, witness=witness)
+                     ubatch=args.ubatch, kv_dtype=args.kv_dtype, kernels=kernels, attention=args.attention,
+                     bridge=args.bridge, routing=args.routing, weights=args.weights, reps=args.reps, load_s=load_s,
+                     compile_s=compile_s, witness=witness)
             if args.json:  # as each finishes: a run cut short still leaves what it measured
                 out.write(json.dumps(r) + "\n")
                 out.flush()

@@ -22,6 +22,10 @@ ATTENTION_HELP = ("decode attention: xla (jnp; on the GPU each layer's cache is 
                   "positions straight from the cache; default xla)")
 
 
+ROUTING_HELP = ("MoE routing: xla (softmax, sort and gather: three or four kernels a layer on the GPU) or "
+                "pallas (one kernel; default xla)")
+
+
 BRIDGE_HELP = ("how the step reaches the host experts: callback (jax.pure_callback: syncs and copies through "
                "Python) or ffi (an XLA FFI custom call into the compiled kernel, built on first use with the "
                "system's C++ compiler; on a GPU it is queued on the step's stream; default callback)")

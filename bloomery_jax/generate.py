@@ -19,9 +19,9 @@ import json
 import random
 import sys
 
-from .cli_options import ATTENTION_HELP, BRIDGE_HELP, KERNELS_HELP, PLACE_HELP, WEIGHTS_HELP, add_residency_args
+from .cli_options import ATTENTION_HELP, BRIDGE_HELP, KERNELS_HELP, ROUTING_HELP, PLACE_HELP, WEIGHTS_HELP, add_residency_args
 from .errors import BloomeryError, ConfigError
-from .settings import ATTENTION, BRIDGES, KERNELS, WEIGHT_FORMS
+from .settings import ATTENTION, BRIDGES, KERNELS, ROUTING, WEIGHT_FORMS
 
 
 class _Parser(argparse.ArgumentParser):
@@ -52,6 +52,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kernels", choices=KERNELS, default="auto", help=KERNELS_HELP)
     p.add_argument("--attention", choices=ATTENTION, default="xla", help=ATTENTION_HELP)
     p.add_argument("--bridge", choices=BRIDGES, default="callback", help=BRIDGE_HELP)
+    p.add_argument("--routing", choices=ROUTING, default="xla", help=ROUTING_HELP)
     add_residency_args(p)
     p.add_argument("--json", action="store_true", help="print token ids and timings as JSON")
     p.add_argument("--no-compile-cache", action="store_true", help="do not use the persistent compilation cache")
@@ -109,7 +110,7 @@ def run(argv: list[str] | None = None, out=None, err=None) -> dict:
         enable_compile_cache()
     progress = Progress(err, quiet=args.quiet)
     model, tok, load_s = open_model(args.model, progress, args.place, args.weights, args.kernels, args.attention,
-                                    args.bridge)
+                                    args.bridge, args.routing)
     ids = prompt_ids(tok, args.prompt, args.chat, args.system, is_default=args.model is None, log=progress.done)
     model_ctx = int(getattr(model.cfg, "context_length", 4096))
     ctx = args.ctx or context_for(len(ids), args.n_predict, model_ctx)

@@ -19,6 +19,7 @@ CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file
 KERNELS = ("reference", "pallas", "pallas-tf32", "pallas-q8", "auto")  # auto: pallas on a GPU (models.loader.resolve_kernels)
 KV_DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION = ("xla", "pallas")  # decode attention (models.loader.load_model)
+ROUTING = ("xla", "pallas")  # MoE routing (models.loader.load_model)
 BRIDGES = ("callback", "ffi")  # the host-expert bridge (models.loader.load_model)
 WEIGHT_FORMS = ("blocks", "f32", "auto")  # card weights (models.loader.load_model)
 
@@ -35,6 +36,7 @@ class RuntimeSettings:
     weights: str = "auto"  # card weights: blocks | f32 | auto (models.loader.load_model)
     attention: str = "xla"  # decode attention: xla (jnp) | pallas (kernel on the cache buffer)
     bridge: str = "callback"  # host experts: callback (jax.pure_callback) | ffi (XLA FFI custom call)
+    routing: str = "xla"  # MoE routing: xla (jnp softmax + top-k) | pallas (one kernel)
 
     def __post_init__(self):
         if self.kernels not in KERNELS:
@@ -43,6 +45,8 @@ class RuntimeSettings:
             raise ConfigError(f"RuntimeSettings.weights must be one of {WEIGHT_FORMS}, got {self.weights!r}")
         if self.attention not in ATTENTION:
             raise ConfigError(f"RuntimeSettings.attention must be one of {ATTENTION}, got {self.attention!r}")
+        if self.routing not in ROUTING:
+            raise ConfigError(f"RuntimeSettings.routing must be one of {ROUTING}, got {self.routing!r}")
         if self.bridge not in BRIDGES:
             raise ConfigError(f"RuntimeSettings.bridge must be one of {BRIDGES}, got {self.bridge!r}")
         if self.kv_dtype not in KV_DTYPES:

@@ -11,7 +11,8 @@
 # the last run. The default variant
 # logs which allocations moved and how many commands were updated (graph_updates.log); the
 # SKIP_TEMP / SKIP_PROFILED variants pin the temp buffer (and stable inputs/outputs) to fixed
-# virtual addresses (XLA's VMM allocator). pallas_attn: default flags with --attention pallas.
+# virtual addresses (XLA's VMM allocator). pallas_attn: default flags with --attention pallas;
+# pallas_route: with --routing pallas; pallas_both: both.
 # host_callback / host_ffi: the experts of 6 of the 8 layers on the host, through each bridge
 # (pure_callback splits the step's graph at every host call; the FFI call is queued on the stream),
 # with VLOG, so their graph logs show whether the FFI step stays one graph.
@@ -35,6 +36,8 @@ declare -A FLAGS=(
   [skip_profiled]="--xla_gpu_command_buffer_update_mode=SKIP_PROFILED"
   [dump]="--xla_dump_to=/tmp/probe-hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*"
   [pallas_attn]=""
+  [pallas_route]=""
+  [pallas_both]=""
   [host_callback]=""
   [host_ffi]=""
 )
@@ -42,13 +45,14 @@ declare -A FLAGS=(
 # (gpu_executable), how many graph commands were updated (command_executor, command_buffer_thunk).
 VLOG=command_buffer_thunk=3,command_executor=1,gpu_executable=5
 best="" best_ms=1e9
-for name in default off skip_temp skip_profiled dump pallas_attn host_callback host_ffi; do
+for name in default off skip_temp skip_profiled dump pallas_attn pallas_route pallas_both host_callback host_ffi; do
   vmod=""; [ $name = default ] || [ ${name#host_} != $name ] && vmod=$VLOG
-  attn=xla; [ $name = pallas_attn ] && attn=pallas  # the decode attention kernel (default flags)
+  attn=xla; [ $name = pallas_attn ] || [ $name = pallas_both ] && attn=pallas  # decode attention kernel
+  route=xla; [ $name = pallas_route ] || [ $name = pallas_both ] && route=pallas  # routing kernel
   # the host variants also compile the Numba layer kernel (and the FFI library and cfunc) once
   host="--place card" tmo=100; [ ${name#host_} != $name ] && host="--place n-cpu-moe=6 --bridge ${name#host_}" tmo=240
   XLA_FLAGS="${FLAGS[$name]}" TF_CPP_VMODULE=$vmod TF_CPP_MIN_LOG_LEVEL=0 timeout $tmo python3 scripts/profile_decode.py \
-    --model $M8 --kernels pallas --attention $attn $host --steps 32 --no-trace --out /tmp/probe-$name > /tmp/probe-$name.log 2>&1
+    --model $M8 --kernels pallas --attention $attn --routing $route $host --steps 32 --no-trace --out /tmp/probe-$name > /tmp/probe-$name.log 2>&1
   rc=$?
   if [ -f /tmp/probe-$name/profile.json ]; then
     ms=$(python3 -c "import json;print(json.load(open('/tmp/probe-$name/profile.json'))['step_ms'])")

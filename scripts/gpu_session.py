@@ -182,7 +182,7 @@ def bench(args, name: str, extra: list[str], parallel: str = "1,2") -> None:
     p, n = ("64", "16") if args.tiny else ("512", "128")
     cmd = [sys.executable, "-m", "bloomery_jax.bench", "--model", str(model_path(args)), "-p", p, "-n", n,
            "--parallel", parallel, "--reps", str(args.reps), "--json", "--kernels", args.kernels,
-           "--attention", args.attention, "--bridge", args.bridge, *extra]
+           "--attention", args.attention, "--bridge", args.bridge, "--routing", args.routing, *extra]
     log(" ".join(cmd))
     t0 = time.perf_counter()
     try:
@@ -192,6 +192,7 @@ def bench(args, name: str, extra: list[str], parallel: str = "1,2") -> None:
         rc, stdout, stderr = "timeout", _text(e.stdout), _text(e.stderr)
     records = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
     tag = (args.kernels + ("" if args.attention == "xla" else f"-attn-{args.attention}")
+           + ("" if args.routing == "xla" else f"-route-{args.routing}")
            + ("" if args.bridge == "callback" else f"-bridge-{args.bridge}"))
     write_json(args.out, f"bench-{name}-{tag}.json", dict(command=" ".join(cmd), rc=rc, records=records,
                                                     stderr=stderr[-3000:], seconds=time.perf_counter() - t0))
@@ -259,8 +260,9 @@ def stage_compare(args) -> None:
         for r in run["records"] if isinstance(run["records"], list) else []:
             theirs[(name, f"pp{r['n_prompt']}" if r["n_prompt"] else f"tg{r['n_gen']}")] = r["avg_ts"]
     pairs = {f"bench-{ours}-{k}": theirs for ours, theirs in (("card", "all-card"), ("ncmoe36", "ncmoe36"))
-             for k in ("pallas", "pallas-tf32", "pallas-q8", "pallas-attn-pallas", "pallas-bridge-ffi",
-                       "pallas-attn-pallas-bridge-ffi")}
+             for k in ("pallas", "pallas-tf32", "pallas-q8", "pallas-attn-pallas", "pallas-route-pallas",
+                       "pallas-attn-pallas-route-pallas", "pallas-bridge-ffi", "pallas-attn-pallas-bridge-ffi",
+                       "pallas-attn-pallas-route-pallas-bridge-ffi")}
     rows = [dict(ours=stem, llamacpp=pairs[stem], test=test, parallel=par, ours_tps=round(tps, 1),
                  llamacpp_tps=round(theirs[(pairs[stem], test)], 1), ratio=round(tps / theirs[(pairs[stem], test)], 3))
             for (stem, test, par), tps in ours.items() if stem in pairs and (pairs[stem], test) in theirs]
@@ -284,6 +286,7 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=None, help="the big model with this many layers (default 48)")
     p.add_argument("--kernels", default="auto", help="bench --kernels (reference | pallas | pallas-tf32 | pallas-q8 | auto)")
     p.add_argument("--attention", default="xla", choices=("xla", "pallas"), help="bench --attention (default xla)")
+    p.add_argument("--routing", default="xla", choices=("xla", "pallas"), help="bench --routing (default xla)")
     p.add_argument("--bridge", default="callback", choices=("callback", "ffi"), help="bench --bridge (default callback)")
     p.add_argument("--parallel", default=None, help="bench --parallel for every variant (default: its own)")
     p.add_argument("--tiny", action="store_true", help="small models: check the flow on a CPU")

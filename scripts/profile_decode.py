@@ -106,6 +106,7 @@ def main(argv=None):
     p.add_argument("--attention", default="xla", choices=("xla", "pallas"))
     p.add_argument("--place", default="card")
     p.add_argument("--bridge", default="callback", choices=("callback", "ffi"), help="host experts' bridge")
+    p.add_argument("--routing", default="xla", choices=("xla", "pallas"), help="MoE routing")
     p.add_argument("--prompt", type=int, default=64, help="prompt tokens before decoding")
     p.add_argument("--steps", type=int, default=32, help="decode steps timed, then traced")
     p.add_argument("--top", type=int, default=40, help="kernels listed")
@@ -124,7 +125,8 @@ def main(argv=None):
     elif not a.model:
         p.error("--model or --tiny")
     progress = Progress(sys.stderr, quiet=True)
-    model, _, load_s = open_model(a.model, progress, a.place, "auto", a.kernels, a.attention, a.bridge)
+    model, _, load_s = open_model(a.model, progress, a.place, "auto", a.kernels, a.attention, a.bridge,
+                                   a.routing)
     engine = Engine(model, n_slots=1, max_context=a.prompt + 3 * a.steps + 8, ubatch=max(a.prompt, 16))
     seq = engine.add(np.random.default_rng(0).integers(0, engine.n_vocab, a.prompt).tolist(),
                      SamplingParams(temperature=0.0))
@@ -141,7 +143,7 @@ def main(argv=None):
             timed_steps(engine, seq, a.steps)
         busy_ms, kernels = summarize(device_events(trace_dir), a.steps, a.top)
     leaves = len(jax.tree_util.tree_leaves((engine.params, engine.placement)))
-    result = dict(bench="profile_decode", model=a.model, kernels=a.kernels, attention=a.attention, place=a.place, bridge=a.bridge,
+    result = dict(bench="profile_decode", model=a.model, kernels=a.kernels, attention=a.attention, place=a.place, bridge=a.bridge, routing=a.routing,
                   device=str(jax.devices()[0].device_kind), layers=model.cfg.n_layers, leaves=leaves,
                   load_s=round(load_s, 1), compile_s=round(compile_s, 1), steps=a.steps,
                   dispatch_ms=round(statistics.median(dispatch) * 1e3, 3),

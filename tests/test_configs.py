@@ -38,6 +38,7 @@ def test_binding_overrides_file():
         ("RuntimeSettings.ubatch = 8192", "ubatch"),
         ("RuntimeSettings.kernels = 'cuda'", "kernels"),
         ("RuntimeSettings.bridge = 'pipe'", "RuntimeSettings.bridge must be one of"),
+        ("RuntimeSettings.routing = 'sort'", "RuntimeSettings.routing must be one of"),
         ("RuntimeSettings.attention = 'flash'", "RuntimeSettings.attention must be one of"),
         ("RuntimeSettings.no_such_field = 1", "no_such_field"),
         ("RuntimeSettings.ubatch = ", "gin"),

@@ -328,3 +328,10 @@ def test_pallas_attention_is_refused(tmp_path):
     path = write_gemma3(tmp_path / "one.gguf", gemma3.Config(**{**SMALL, "n_layers": 1, "swa_layers": (True,)}))
     with pytest.raises(ConfigError, match="only the xla attention"):
         load_model(path, attention="pallas")
+
+
+def test_pallas_routing_is_refused(tmp_path):
+    # Gemma 3 is dense: no router to run in a kernel.
+    path = write_gemma3(tmp_path / "one.gguf", gemma3.Config(**{**SMALL, "n_layers": 1, "swa_layers": (True,)}))
+    with pytest.raises(ConfigError, match="only the xla routing"):
+        load_model(path, routing="pallas")

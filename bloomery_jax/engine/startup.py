@@ -65,7 +65,7 @@ class Progress:
 
 
 def open_model(path, progress: Progress, place: str = "card", weights: str = "auto", kernels: str = "auto",
-               attention: str = "xla", bridge: str = "callback"):
+               attention: str = "xla", bridge: str = "callback", routing: str = "xla"):
     """Load a model and its tokenizer. Returns (model, tokenizer, seconds).
 
     Args:
@@ -76,6 +76,7 @@ def open_model(path, progress: Progress, place: str = "card", weights: str = "au
       kernels: reference | pallas | auto (``models.loader.load_model``).
       attention: xla | pallas (``models.loader.load_model``).
       bridge: callback | ffi, how steps reach host experts (``models.loader.load_model``).
+      routing: xla | pallas (``models.loader.load_model``).
     Raises:
       BloomeryError (GGUFError, ConfigError, ...) on a bad file; for the default model an
       unsupported architecture says which one the default model needs.
@@ -92,7 +93,8 @@ def open_model(path, progress: Progress, place: str = "card", weights: str = "au
     t0 = time.perf_counter()
     progress.update(f"loading {path} ...")
     try:
-        model = load_model(path, place=place, weights=weights, kernels=kernels, attention=attention, bridge=bridge)
+        model = load_model(path, place=place, weights=weights, kernels=kernels, attention=attention, bridge=bridge,
+                           routing=routing)
     except UnsupportedArchitectureError as e:
         if default:
             raise UnsupportedArchitectureError(

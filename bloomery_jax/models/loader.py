@@ -22,7 +22,7 @@ from gguf import GGMLQuantizationType as T
 from ..errors import ConfigError, GGUFError
 from ..gguf_file import GGUFFile
 from ..quant import SUPPORTED_TYPES, QTensor
-from ..settings import ATTENTION, BRIDGES, KERNELS, WEIGHT_FORMS
+from ..settings import ATTENTION, BRIDGES, KERNELS, ROUTING, WEIGHT_FORMS
 from .registry import module_for_file
 from .spec import check_tensors
 
@@ -63,7 +63,8 @@ AUTO_F32_BYTES = 2 << 30  # "auto" keeps float32 copies of card weights up to th
 
 def load_model(path: str | os.PathLike, *, device=None, place="card", reserve_bytes: int = 0,
                host_threads: int | None = None, host_act: str | None = None, weights: str = "blocks",
-               kernels: str = "reference", attention: str = "xla", bridge: str = "callback") -> Model:
+               kernels: str = "reference", attention: str = "xla", bridge: str = "callback",
+               routing: str = "xla") -> Model:
     """Open ``path``, check it against its architecture, and put its tensors on ``device``.
 
     Args:
@@ -94,6 +95,8 @@ def load_model(path: str | os.PathLike, *, device=None, place="card", reserve_by
       bridge: how steps reach the host experts: "callback" (``host.bridge.HostBridge``,
         jax.pure_callback) or "ffi" (``host.ffi.FfiHostBridge``, an XLA FFI custom call; the
         same results bit for bit). ConfigError where the ffi library cannot be built.
+      routing: "xla" (``ops.routing``, jnp) or "pallas" (``pallas.route_topk``: softmax and top-k
+        in one kernel). ConfigError for an architecture without it.
     Returns:
       the Model.
     """
@@ -103,6 +106,8 @@ def load_model(path: str | os.PathLike, *, device=None, place="card", reserve_by
         raise ConfigError(f"attention={attention!r}: must be one of {', '.join(ATTENTION)}")
     if bridge not in BRIDGES:
         raise ConfigError(f"bridge={bridge!r}: must be one of {', '.join(BRIDGES)}")
+    if routing not in ROUTING:
+        raise ConfigError(f"routing={routing!r}: must be one of {', '.join(ROUTING)}")
     gf = GGUFFile(path)
     module = module_for_file(gf)  # clear error for architectures we do not implement
     cfg = module.Config.from_gguf(gf)
@@ -110,6 +115,10 @@ def load_model(path: str | os.PathLike, *, device=None, place="card", reserve_by
         if not hasattr(cfg, "attention"):
             raise ConfigError(f"attention={attention!r}: the {gf.architecture} model has only the xla attention")
         cfg = dataclasses.replace(cfg, attention=attention)
+    if routing != "xla":
+        if not hasattr(cfg, "routing"):
+            raise ConfigError(f"routing={routing!r}: the {gf.architecture} model has only the xla routing")
+        cfg = dataclasses.replace(cfg, routing=routing)
     specs = module.tensor_specs(cfg)
     check_tensors(gf, specs)
     check_types(gf)

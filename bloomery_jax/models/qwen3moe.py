@@ -18,7 +18,7 @@ from ..gguf_file import GGUFFile
 from ..ops.attention import gqa_attention
 from ..ops.experts import placed_moe_swiglu
 from ..ops.norms import rms_norm
-from ..ops.qmatmul import as_f32, qmatmul, qmatmul_many, take_rows
+from ..ops.qmatmul import as_f32, interpret_kernels, qmatmul, qmatmul_many, take_rows
 from ..ops.rope import RopeConfig, apply_rope, rope_cos_sin
 from ..ops.routing import route_topk
 from .kv_cache import KVCache
@@ -61,6 +61,9 @@ class Config:
     # Not from the file: "pallas" makes one-token steps attend with pallas.decode_attention read
     # straight from the cache buffer (models.loader's attention=); "xla" is ops.attention's jnp.
     attention: str = "xla"
+    # Not from the file: "pallas" routes with pallas.route_topk (softmax and top-k in one kernel;
+    # models.loader's routing=); "xla" is ops.routing's jnp.
+    routing: str = "xla"
 
     @property
     def q_dim(self) -> int:
@@ -252,7 +255,12 @@ def _moe_block(params, cfg: Config, i: int, x, placement):
     B, T, D = x.shape
     h = rms_norm(x, as_f32(params[b + "ffn_norm.weight"]), cfg.rms_eps).reshape(B * T, D)  # [N, D]
     router_logits = qmatmul(h, params[b + "ffn_gate_inp.weight"], cfg.act_rounding)  # [N, E]
-    experts, weights, margin = route_topk(router_logits, cfg.n_experts_used)  # [N, k], [N, k], [N]
+    if cfg.routing == "pallas":
+        from ..pallas.route import route_topk as fused_route_topk
+
+        experts, weights, margin = fused_route_topk(router_logits, cfg.n_experts_used, interpret=interpret_kernels())
+    else:
+        experts, weights, margin = route_topk(router_logits, cfg.n_experts_used)  # [N, k], [N, k], [N]
     y = placed_moe_swiglu(h, experts, weights, params[b + "ffn_gate_exps.weight"], params[b + "ffn_up_exps.weight"],
                           params[b + "ffn_down_exps.weight"], cfg.act_rounding, placement, i,
                           cfg.moe_precision)  # [N, D]

@@ -120,7 +120,7 @@ class Provider:
         self.model_path = path
         self.log(f"loading {path}")
         model = load_model(path, place=st.placement, weights=st.weights, kernels=st.kernels, attention=st.attention,
-                           bridge=st.bridge)
+                           bridge=st.bridge, routing=st.routing)
         tok = Tokenizer.from_gguf(model.gguf)
         source = tok.vocab.chat_template
         if source is None:
