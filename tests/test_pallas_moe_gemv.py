@@ -106,10 +106,12 @@ def test_out_of_range_experts_are_clamped():
 
 def test_bad_inputs_raise():
     _, pw, _ = stacked(T.Q4_K, 4, 16, 256, np.random.default_rng(0))
-    with pytest.raises(ValueError, match=r"x must be \[P, 256\] and experts \[P\]"):
+    with pytest.raises(ValueError, match=r"x must be \[P / 1, 256\] and experts \[P\]"):
         moe_gemv(jnp.zeros((2, 512)), pw, jnp.zeros(2, jnp.int32), interpret=True)
-    with pytest.raises(ValueError, match=r"x must be \[P, 256\] and experts \[P\]"):
+    with pytest.raises(ValueError, match=r"x must be \[P / 1, 256\] and experts \[P\]"):
         moe_gemv(jnp.zeros((2, 256)), pw, jnp.zeros(3, jnp.int32), interpret=True)
+    with pytest.raises(ValueError, match=r"x must be \[P / 2, 256\] and experts \[P\]"):
+        moe_gemv(jnp.zeros((2, 256)), pw, jnp.zeros(3, jnp.int32), pairs_per_row=2, interpret=True)
     flat = repack(np.zeros((16, 144), np.uint8), T.Q4_K, (16, 256))
     with pytest.raises(ValueError, match="needs a 3-D planes-layout"):
         moe_gemv(jnp.zeros((2, 256)), flat, jnp.zeros(2, jnp.int32), interpret=True)
@@ -146,6 +148,26 @@ def test_many_in_one_launch():
     assert errors(yu, x, u64, (experts + 1) % 6, T.Q5_K, CFG).max() > 1.0  # guards the test
 
 
+def test_pairs_share_their_token_row():
+    """pairs_per_row=k reads token p // k's row for pair p: the same outputs, bit for bit, as the
+    rows copied out once per pair."""
+    from bloomery_jax.pallas.moe_gemv import moe_gemv_many
+
+    rng = np.random.default_rng(23)
+    (_, g, _), (_, u, _) = stacked(T.Q4_K, 6, 64, 512, rng), stacked(T.Q6_K, 6, 32, 512, rng)
+    n, k = 3, 4
+    experts = jnp.asarray(rng.integers(0, 6, n * k), jnp.int32)
+    x = jnp.asarray(rng.standard_normal((n, 512)), jnp.float32)
+    per_pair = jnp.repeat(x, k, axis=0)  # [P, K]
+    for got, want in ((moe_gemv_many(x, (g, u), experts, pairs_per_row=k, interpret=True),
+                       moe_gemv_many(per_pair, (g, u), experts, interpret=True)),
+                      ((moe_gemv(x, g, experts, config=CFG, pairs_per_row=k, interpret=True),),
+                       (moe_gemv(per_pair, g, experts, config=CFG, interpret=True),))):
+        for a, b in zip(got, want):
+            assert a.shape == b.shape and a.shape[0] == n * k
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 @pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
 def test_many_lowers_to_triton_for_h200(monkeypatch):
     from bloomery_jax.pallas.moe_gemv import moe_gemv_many
@@ -153,9 +175,9 @@ def test_many_lowers_to_triton_for_h200(monkeypatch):
     rng = np.random.default_rng(0)
     ws = tuple(repack(np.stack([weight(T.Q4_K, 768, 2048, rng) for _ in range(4)]), T.Q4_K, (4, 768, 2048))
                for _ in range(2))
-    x = jax.ShapeDtypeStruct((8, 2048), jnp.float32)
+    x = jax.ShapeDtypeStruct((1, 2048), jnp.float32)  # the decode step's call: one token, its 8 pairs
     experts = jax.ShapeDtypeStruct((8,), jnp.int32)
-    assert triton_kernels(monkeypatch, lambda x, ws, e: moe_gemv_many(x, ws, e), x, ws, experts) == [
+    assert triton_kernels(monkeypatch, lambda x, ws, e: moe_gemv_many(x, ws, e, pairs_per_row=8), x, ws, experts) == [
         ("moe_gemv_many", 90, True)]
 
 

@@ -128,12 +128,14 @@ def _moe_swiglu_gemv(x, experts, weights, gate, up, down, act_rounding):
         h = swiglu(*moe_gemv_q8_many(xa, (gate, up), flat, interpret=interpret))  # [P, F]
         y = moe_gemv_q8(quantize_q8_1(h), down, flat, interpret=interpret)  # [P, D]
         return _weighted_sum(y.reshape(N, k, -1), weights)
-    xg = round_activations(x, weight_qtype(gate), act_rounding)[tok]  # [P, D]
-    xu = round_activations(x, weight_qtype(up), act_rounding)[tok]
+    # The kernels read each token's row for its k pairs (pairs_per_row): no [P, D] copy of x.
+    xg = round_activations(x, weight_qtype(gate), act_rounding)  # [N, D]
+    xu = round_activations(x, weight_qtype(up), act_rounding)
     if act_rounding == "none":  # gate and up read the same x: one launch (decode is launch-bound)
-        h = swiglu(*moe_gemv_many(xg, (gate, up), flat, interpret=interpret))  # [P, F]
+        h = swiglu(*moe_gemv_many(xg, (gate, up), flat, pairs_per_row=k, interpret=interpret))  # [P, F]
     else:
-        h = swiglu(moe_gemv(xg, gate, flat, interpret=interpret), moe_gemv(xu, up, flat, interpret=interpret))
+        h = swiglu(moe_gemv(xg, gate, flat, pairs_per_row=k, interpret=interpret),
+                   moe_gemv(xu, up, flat, pairs_per_row=k, interpret=interpret))
     h = round_activations(h, weight_qtype(down), act_rounding)
     return _weighted_sum(moe_gemv(h, down, flat, interpret=interpret).reshape(N, k, -1), weights)  # [N, k, D] -> [N, D]
 

@@ -96,37 +96,47 @@ def _operands(w: PackedWeight, bn: int):
     return arrays, specs
 
 
-@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def _check_rows(name: str, x: jax.Array, experts: jax.Array, k: int, pairs_per_row: int) -> int:
+    """The pair count P, after checking ``x [P / pairs_per_row, k]`` and ``experts [P]``."""
+    n_pairs = experts.shape[0] if experts.ndim == 1 else -1
+    if x.ndim != 2 or x.shape[1] != k or pairs_per_row < 1 or n_pairs != x.shape[0] * pairs_per_row:
+        raise ValueError(f"{name}: x must be [P / {pairs_per_row}, {k}] and experts [P], got {x.shape} and "
+                         f"{experts.shape}")
+    return n_pairs
+
+
+@functools.partial(jax.jit, static_argnames=("config", "pairs_per_row", "interpret"))
 def moe_gemv(x: jax.Array, w: PackedWeight, experts: jax.Array, *, config: GemvConfig | None = None,
-             interpret: bool = False) -> jax.Array:
-    """``x[p] @ W[experts[p]]^T`` for every pair p, float32 accumulation.
+             pairs_per_row: int = 1, interpret: bool = False) -> jax.Array:
+    """``x[p // pairs_per_row] @ W[experts[p]]^T`` for every pair p, float32 accumulation.
 
     Args:
-      x: float ``[P, K]`` (f32, bf16 or f16; widened in-kernel), one row per (token, expert) pair.
+      x: float ``[P / pairs_per_row, K]`` (f32, bf16 or f16; widened in-kernel): one row per
+        (token, expert) pair, or per token with its ``pairs_per_row`` pairs in a row (token-major
+        routing: the kernel reads the token's row, so nothing copies it k times first).
       w: PackedWeight ``[E, N, K]`` in the "planes" or "ggml" layout, Q8_0, Q4_K, Q5_K or Q6_K.
       experts: integer ``[P]``, the expert of each pair, in [0, E) (repeats allowed).
       config: launch parameters; None picks ``pick_config`` for one expert's ``[N, K]``.
         ``block_n`` and ``chunks_per_step`` shrink to divisors as in ``qgemv``.
+      pairs_per_row: consecutive pairs that share a row of x.
       interpret: run with the Pallas interpreter (CPU tests).
     Returns:
       float32 ``[P, N]``.
     """
     qtype = check_stacked(w, "moe_gemv")
     n_exp, n, k = w.shape
-    if x.ndim != 2 or x.shape[1] != k or experts.shape != (x.shape[0],):
-        raise ValueError(f"moe_gemv: x must be [P, {k}] and experts [P], got {x.shape} and {experts.shape}")
+    n_pairs = _check_rows("moe_gemv", x, experts, k, pairs_per_row)
     cfg = config or pick_config(tuning_layout(w.layout), qtype.name, n, k)
     fmt = format_of(w.layout, qtype)
     bn, steps, per_step, split = _launch(fmt, n, k, cfg)
     arrays, specs = _operands(w, bn)
-    n_pairs = x.shape[0]
     kernel = functools.partial(_moe_kernel, fmt=fmt, n_experts=n_exp, steps=steps, per_step=per_step)
     return add_partials(pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((split, n_pairs, n), F32),
         grid=(split, n_pairs, n // bn),
         in_specs=[pl.BlockSpec((1,), lambda s, p, i: (p,)),  # this pair's expert
-                  pl.BlockSpec((1, k), lambda s, p, i: (p, 0)),  # this pair's row of x
+                  pl.BlockSpec((1, k), lambda s, p, i: (p // pairs_per_row, 0)),  # this pair's row of x
                   *specs],
         out_specs=pl.BlockSpec((1, 1, bn), lambda s, p, i: (s, p, i)),
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
@@ -146,8 +156,9 @@ def _moe_many_kernel(e_ref, x_ref, *refs, parts, n_experts: int, bn: int):
               view=lambda r: _ExpertView(r, e))
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def moe_gemv_many(x: jax.Array, ws: tuple, experts: jax.Array, *, interpret: bool = False) -> tuple:
+@functools.partial(jax.jit, static_argnames=("pairs_per_row", "interpret"))
+def moe_gemv_many(x: jax.Array, ws: tuple, experts: jax.Array, *, pairs_per_row: int = 1,
+                  interpret: bool = False) -> tuple:
     """``tuple(moe_gemv(x, w, experts) for w in ws)`` in one launch (gate and up of a MoE layer).
 
     As ``qgemv.qgemv_many`` for stacked expert weights: program (p, i) serves pair p and a row
@@ -155,22 +166,22 @@ def moe_gemv_many(x: jax.Array, ws: tuple, experts: jax.Array, *, interpret: boo
     those of :func:`moe_gemv`; the same rounding bound holds.
 
     Args:
-      x: float ``[P, K]``; ws: tuple of 3-D planes- or ggml-layout PackedWeights ``[E, N_j, K]``
-        with the same E; experts: integer ``[P]``.
+      x: float ``[P / pairs_per_row, K]``; ws: tuple of 3-D planes- or ggml-layout PackedWeights
+        ``[E, N_j, K]`` with the same E; experts: integer ``[P]``.
+      pairs_per_row: consecutive pairs that share a row of x (as in :func:`moe_gemv`).
       interpret: run with the Pallas interpreter (CPU tests).
     Returns:
       tuple of float32 ``[P, N_j]``.
     """
     n_exp, _, k = ws[0].shape
-    if x.ndim != 2 or x.shape[1] != k or experts.shape != (x.shape[0],):
-        raise ValueError(f"moe_gemv_many: x must be [P, {k}] and experts [P], got {x.shape} and {experts.shape}")
+    n_pairs = _check_rows("moe_gemv_many", x, experts, k, pairs_per_row)
     m = many_operands(ws, k, (n_exp,), "moe_gemv_many")
-    n_pairs = x.shape[0]
     y = pl.pallas_call(
         functools.partial(_moe_many_kernel, parts=m.parts, n_experts=n_exp, bn=m.bn),
         out_shape=jax.ShapeDtypeStruct((m.split_k, n_pairs, m.tiles * m.bn), F32),
         grid=(m.split_k, n_pairs, m.tiles),
-        in_specs=[pl.BlockSpec((1,), lambda s, p, i: (p,)), pl.BlockSpec((1, k), lambda s, p, i: (p, 0)), *m.specs],
+        in_specs=[pl.BlockSpec((1,), lambda s, p, i: (p,)),
+                  pl.BlockSpec((1, k), lambda s, p, i: (p // pairs_per_row, 0)), *m.specs],
         out_specs=pl.BlockSpec((1, 1, m.bn), lambda s, p, i: (s, p, i)),
         compiler_params=m.compiler_params,
         interpret=interpret,
