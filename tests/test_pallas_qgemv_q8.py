@@ -145,6 +145,27 @@ def test_moe_many_in_one_launch():
         assert ratios(y, xa, w64[ex], np.asarray(scale_magnitudes(w, stored_quants=True), np.float64)[ex], q, 512, cfg).max() <= 1.0
 
 
+def test_moe_many_pairs_share_their_token_row():
+    """pairs_per_row=k: pair p reads token p // k's quantized row; the same outputs, bit for bit,
+    as the rows copied out once per pair."""
+    from bloomery_jax.pallas.qgemv_q8 import moe_gemv_q8_many
+
+    rng = np.random.default_rng(63)
+    raws = [np.stack([weight(q, 32, 512, rng) for _ in range(4)]) for q in (T.Q4_K, T.Q6_K)]
+    ws = tuple(repack(r, q, (4, 32, 512), "ggml") for r, q in zip(raws, (T.Q4_K, T.Q6_K)))
+    n, k = 3, 2
+    experts = jnp.asarray(rng.integers(0, 4, n * k), jnp.int32)
+    xa = quantize_q8_1(jnp.asarray(rng.standard_normal((n, 512)), jnp.float32))
+    per_pair = jax.tree.map(lambda a: jnp.repeat(a, k, axis=0), xa)
+    got = moe_gemv_q8_many(xa, ws, experts, pairs_per_row=k, interpret=True)
+    want = moe_gemv_q8_many(per_pair, ws, experts, interpret=True)
+    for a, b in zip(got, want):
+        assert a.shape == (n * k, 32)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match=r"x must hold \[P / 2, 512\]"):
+        moe_gemv_q8_many(xa, ws, experts[:5], pairs_per_row=k, interpret=True)
+
+
 @pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
 def test_many_lowers_to_triton_for_h200(monkeypatch):
     from bloomery_jax.pallas.qgemv_q8 import moe_gemv_q8_many, qgemv_q8_many
@@ -155,6 +176,6 @@ def test_many_lowers_to_triton_for_h200(monkeypatch):
         ("qgemv_q8_many", 90, True)]
     gu = tuple(repack(np.stack([weight(T.Q4_K, 768, 2048, rng) for _ in range(2)]), T.Q4_K, (2, 768, 2048), "ggml")
                for _ in range(2))
-    experts = jax.ShapeDtypeStruct((8,), jnp.int32)
-    assert triton_kernels(monkeypatch, lambda x, ws, e: moe_gemv_q8_many(x, ws, e), quantize_q8_1(jnp.zeros((8, 2048))),
-                          gu, experts) == [("moe_gemv_q8_many", 90, True)]
+    experts = jax.ShapeDtypeStruct((8,), jnp.int32)  # the decode step's call: one token, its 8 pairs
+    assert triton_kernels(monkeypatch, lambda x, ws, e: moe_gemv_q8_many(x, ws, e, pairs_per_row=8),
+                          quantize_q8_1(jnp.zeros((1, 2048))), gu, experts) == [("moe_gemv_q8_many", 90, True)]

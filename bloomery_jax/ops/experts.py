@@ -121,14 +121,12 @@ def _moe_swiglu_gemv(x, experts, weights, gate, up, down, act_rounding):
     N, k = experts.shape
     interpret = interpret_kernels()
     flat = experts.reshape(N * k)  # [P] pairs, token-major
-    tok = jnp.arange(N * k) // k  # [P] token of each pair
     x = x.astype(jnp.float32)
+    # The gate/up kernels read each token's row for its k pairs (pairs_per_row): no [P, D] copy.
     if takes_q8(gate, act_rounding):  # integer dot products on Q8_1 rows
-        xa = jax.tree.map(lambda a: a[tok], quantize_q8_1(x))  # each token's blocks, once per pair
-        h = swiglu(*moe_gemv_q8_many(xa, (gate, up), flat, interpret=interpret))  # [P, F]
+        h = swiglu(*moe_gemv_q8_many(quantize_q8_1(x), (gate, up), flat, pairs_per_row=k, interpret=interpret))
         y = moe_gemv_q8(quantize_q8_1(h), down, flat, interpret=interpret)  # [P, D]
         return _weighted_sum(y.reshape(N, k, -1), weights)
-    # The kernels read each token's row for its k pairs (pairs_per_row): no [P, D] copy of x.
     xg = round_activations(x, weight_qtype(gate), act_rounding)  # [N, D]
     xu = round_activations(x, weight_qtype(up), act_rounding)
     if act_rounding == "none":  # gate and up read the same x: one launch (decode is launch-bound)

@@ -353,20 +353,24 @@ def _moe_many_kernel(e_ref, xq_ref, xd_ref, xs_ref, *refs, parts, n_experts: int
               view=lambda r: _ExpertView(r, e))
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def moe_gemv_q8_many(x: Q8Act, ws: tuple, experts: jax.Array, *, interpret: bool = False) -> tuple:
-    """``tuple(moe_gemv_q8(x, w, experts) for w in ws)`` in one launch (gate and up of a layer)."""
+@functools.partial(jax.jit, static_argnames=("pairs_per_row", "interpret"))
+def moe_gemv_q8_many(x: Q8Act, ws: tuple, experts: jax.Array, *, pairs_per_row: int = 1,
+                     interpret: bool = False) -> tuple:
+    """``tuple(moe_gemv_q8(x, w, experts) for w in ws)`` in one launch (gate and up of a layer).
+    With ``pairs_per_row`` > 1, x holds one row per token and pair p reads row p // pairs_per_row
+    (token-major routing: nothing copies a token's row k times first)."""
     n_exp, _, k = ws[0].shape
-    if x.qs.ndim != 2 or x.qs.shape[1] * 4 != k or experts.shape != (x.qs.shape[0],):
-        raise ValueError(f"moe_gemv_q8_many: x must hold [P, {k}] activations and experts [P], got quants "
-                         f"{x.qs.shape} and experts {experts.shape}")
+    n_pairs = experts.shape[0] if experts.ndim == 1 else -1
+    if x.qs.ndim != 2 or x.qs.shape[1] * 4 != k or pairs_per_row < 1 or n_pairs != x.qs.shape[0] * pairs_per_row:
+        raise ValueError(f"moe_gemv_q8_many: x must hold [P / {pairs_per_row}, {k}] activations and experts [P], "
+                         f"got quants {x.qs.shape} and experts {experts.shape}")
     m = _q8_many(ws, k, (n_exp,), "moe_gemv_q8_many")
-    n_pairs = x.qs.shape[0]
     y = pl.pallas_call(
         functools.partial(_moe_many_kernel, parts=m.parts, n_experts=n_exp, bn=m.bn, interpret=interpret),
         out_shape=jax.ShapeDtypeStruct((m.split_k, n_pairs, m.tiles * m.bn), F32),
         grid=(m.split_k, n_pairs, m.tiles),
-        in_specs=[pl.BlockSpec((1,), lambda s, p, i: (p,)), *_x_specs(x, 1, _PAIR_ROW), *m.specs],
+        in_specs=[pl.BlockSpec((1,), lambda s, p, i: (p,)), *_x_specs(x, 1, lambda s, p, i: p // pairs_per_row),
+                  *m.specs],
         out_specs=pl.BlockSpec((1, 1, m.bn), lambda s, p, i: (s, p, i)),
         compiler_params=m.compiler_params,
         interpret=interpret,
