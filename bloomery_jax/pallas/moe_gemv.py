@@ -52,6 +52,18 @@ class _ExpertView:
         return self.ref[(self.e, *(idx if isinstance(idx, tuple) else (idx,)))]
 
 
+class _SwigluRows:
+    """``view[b, cols]`` is ``silu(gate[b, cols]) * up[b, cols]`` in float32: a pair's hidden
+    vector formed where the down projection reads it, so it needs no [P, F] array of its own."""
+
+    def __init__(self, gate_ref, up_ref):
+        self.gate, self.up = gate_ref, up_ref
+
+    def __getitem__(self, idx):
+        g = self.gate[idx].astype(F32)
+        return g / (1.0 + jnp.exp(-g)) * self.up[idx].astype(F32)
+
+
 def expert_index(e_ref, n_experts: int):
     """The pair's expert from its one-element block, clamped into [0, E): a bad index must not
     read out of bounds."""
@@ -73,8 +85,10 @@ def _kernel_name(family: str, layout: str, qtype: T) -> str:
     return f"{family}_{infix}{qtype.name.lower()}"
 
 
-def _moe_kernel(e_ref, x_ref, *refs, fmt, n_experts: int, steps: int, per_step: int):
-    *w_refs, o_ref = refs  # e_ref [1] int32, x_ref [1, K], w_refs [E, ...] blocks, o_ref [1, 1, BN]
+def _moe_kernel(e_ref, *refs, fmt, n_experts: int, steps: int, per_step: int, fused_swiglu: bool):
+    # e_ref [1] int32; x_ref [1, K] (or gate and up [1, K]); w_refs [E, ...] blocks; o_ref [1, 1, BN]
+    x_ref, refs = (_SwigluRows(*refs[:2]), refs[2:]) if fused_swiglu else (refs[0], refs[1:])
+    *w_refs, o_ref = refs
     e = expert_index(e_ref, n_experts)
     views = [_ExpertView(r, e) for r in w_refs]
     (y,) = _accumulate(x_ref, views, fmt=fmt, bn=o_ref.shape[2], nrows=1, steps=steps, per_step=per_step,
@@ -106,8 +120,8 @@ def _check_rows(name: str, x: jax.Array, experts: jax.Array, k: int, pairs_per_r
 
 
 @functools.partial(jax.jit, static_argnames=("config", "pairs_per_row", "interpret"))
-def moe_gemv(x: jax.Array, w: PackedWeight, experts: jax.Array, *, config: GemvConfig | None = None,
-             pairs_per_row: int = 1, interpret: bool = False) -> jax.Array:
+def moe_gemv(x: jax.Array, w: PackedWeight, experts: jax.Array, *, up: jax.Array | None = None,
+             config: GemvConfig | None = None, pairs_per_row: int = 1, interpret: bool = False) -> jax.Array:
     """``x[p // pairs_per_row] @ W[experts[p]]^T`` for every pair p, float32 accumulation.
 
     Args:
@@ -116,6 +130,9 @@ def moe_gemv(x: jax.Array, w: PackedWeight, experts: jax.Array, *, config: GemvC
         routing: the kernel reads the token's row, so nothing copies it k times first).
       w: PackedWeight ``[E, N, K]`` in the "planes" or "ggml" layout, Q8_0, Q4_K, Q5_K or Q6_K.
       experts: integer ``[P]``, the expert of each pair, in [0, E) (repeats allowed).
+      up: None, or an array shaped like x: then x is a gate projection and each row the kernel
+        reads is ``silu(x) * up`` (``ops.experts.swiglu`` formed in-kernel, for a MoE down
+        projection; the exponential is the kernel's, so the last bits may differ).
       config: launch parameters; None picks ``pick_config`` for one expert's ``[N, K]``.
         ``block_n`` and ``chunks_per_step`` shrink to divisors as in ``qgemv``.
       pairs_per_row: consecutive pairs that share a row of x.
@@ -126,23 +143,26 @@ def moe_gemv(x: jax.Array, w: PackedWeight, experts: jax.Array, *, config: GemvC
     qtype = check_stacked(w, "moe_gemv")
     n_exp, n, k = w.shape
     n_pairs = _check_rows("moe_gemv", x, experts, k, pairs_per_row)
+    if up is not None and up.shape != x.shape:
+        raise ValueError(f"moe_gemv: up must be shaped like x {x.shape}, got {up.shape}")
     cfg = config or pick_config(tuning_layout(w.layout), qtype.name, n, k)
     fmt = format_of(w.layout, qtype)
     bn, steps, per_step, split = _launch(fmt, n, k, cfg)
     arrays, specs = _operands(w, bn)
-    kernel = functools.partial(_moe_kernel, fmt=fmt, n_experts=n_exp, steps=steps, per_step=per_step)
+    kernel = functools.partial(_moe_kernel, fmt=fmt, n_experts=n_exp, steps=steps, per_step=per_step,
+                               fused_swiglu=up is not None)
+    xs = (x,) if up is None else (x, up)
+    x_spec = pl.BlockSpec((1, k), lambda s, p, i: (p // pairs_per_row, 0))  # this pair's row of x
     return add_partials(pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((split, n_pairs, n), F32),
         grid=(split, n_pairs, n // bn),
-        in_specs=[pl.BlockSpec((1,), lambda s, p, i: (p,)),  # this pair's expert
-                  pl.BlockSpec((1, k), lambda s, p, i: (p // pairs_per_row, 0)),  # this pair's row of x
-                  *specs],
+        in_specs=[pl.BlockSpec((1,), lambda s, p, i: (p,)), *[x_spec] * len(xs), *specs],  # expert, x rows
         out_specs=pl.BlockSpec((1, 1, bn), lambda s, p, i: (s, p, i)),
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
         name=_kernel_name("moe_gemv", w.layout, qtype),
-    )(experts.astype(jnp.int32), x, *arrays))
+    )(experts.astype(jnp.int32), *xs, *arrays))
 
 
 def _moe_many_kernel(e_ref, x_ref, *refs, parts, n_experts: int, bn: int):
