@@ -151,6 +151,45 @@ def test_many_ggml_and_mixed_layouts(monkeypatch):
         assert (np.abs(y - exact) <= 1.01 * rounding_depth(w.layout, w.qtype, 512, None) * U * mag).all()
 
 
+def test_many_with_the_norm_in_kernel():
+    """norm=: the products of rms_norm(x) formed in-kernel. Against the normalised x handed in:
+    the mean square sums in another order, so the scale may differ by an ulp or two; each output
+    within 4 ulps of sum |x_n w| of it (measured: 0 under the CPU interpreter, which sums in the
+    same order; the GPU's order differs), and within the kernel's own bound of the f64 truth."""
+    from bloomery_jax.ops.norms import rms_norm
+    from bloomery_jax.pallas.qgemv import qgemv_many
+
+    rng = np.random.default_rng(31)
+    shapes = [(T.Q4_K, 64), (T.Q6_K, 32)]
+    ws = tuple(repack(weight(q, n, 512, rng), q, (n, 512)) for q, n in shapes)
+    x = jnp.asarray(rng.standard_normal((3, 512)) * 7, jnp.float32)
+    nw = jnp.asarray(rng.uniform(0.5, 2, 512), jnp.float32)
+    got = qgemv_many(x, ws, norm=nw, eps=1e-6, interpret=True)
+    xn = rms_norm(x, nw, 1e-6)
+    want = qgemv_many(xn, ws, interpret=True)
+    xf = np.asarray(xn, np.float64)
+    for g, wnt, w, (q, _) in zip(got, want, ws, shapes):
+        mag = np.abs(xf) @ np.asarray(scale_magnitudes(w), np.float64).T
+        assert (np.abs(np.asarray(g, np.float64) - np.asarray(wnt, np.float64)) <= 4 * U * mag).all()
+        exact = xf @ np.asarray(dequantize_packed(w), np.float64).T
+        assert (np.abs(np.asarray(g, np.float64) - exact) <= 1.01 * rounding_depth("planes", q, 512, None) * U * mag).all()
+    with pytest.raises(ValueError, match=r"norm must be \[512\]"):
+        qgemv_many(x, ws, norm=nw[:256], interpret=True)
+
+
+@pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
+def test_many_with_norm_lowers_to_triton_for_h200(monkeypatch):
+    from bloomery_jax.pallas.qgemv import qgemv_many
+    from triton_lowering import triton_kernels
+
+    rng = np.random.default_rng(0)
+    ws = tuple(repack(weight(q, n, 2048, rng), q, (n, 2048)) for q, n in [(T.Q4_K, 4096), (T.Q4_K, 512), (T.Q6_K, 512)])
+    x = jax.ShapeDtypeStruct((1, 2048), jnp.float32)
+    nw = jax.ShapeDtypeStruct((2048,), jnp.float32)
+    assert triton_kernels(monkeypatch, lambda x, n, ws: qgemv_many(x, ws, norm=n, eps=1e-6), x, nw, ws) == [
+        ("qgemv_many", 90, True)]
+
+
 @pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
 def test_many_lowers_to_triton_for_h200(monkeypatch):
     """q (Q4_K), k (Q4_K) and v (Q6_K) of the 30B shape in one verified Triton module for sm_90."""

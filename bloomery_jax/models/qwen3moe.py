@@ -232,8 +232,9 @@ def _attention_block(params, cfg: Config, i: int, x, cos, sin, positions, cache:
     b = f"blk.{i}."
     B, T, _ = x.shape
     ar = cfg.act_rounding
-    h = rms_norm(x, as_f32(params[b + "attn_norm.weight"]), cfg.rms_eps)
-    q, k, v = qmatmul_many(h, [params[b + f"attn_{n}.weight"] for n in "qkv"], ar)
+    # the attention norm goes with the projections: the one-launch decode GEMV forms it in-kernel
+    norm = (as_f32(params[b + "attn_norm.weight"]), cfg.rms_eps)
+    q, k, v = qmatmul_many(x, [params[b + f"attn_{n}.weight"] for n in "qkv"], ar, norm=norm)
     q = q.reshape(B, T, cfg.n_heads, cfg.head_dim)  # [B, T, Hq, Dh]
     k = k.reshape(B, T, cfg.n_kv_heads, cfg.head_dim)  # [B, T, Hkv, Dh]
     v = v.reshape(B, T, cfg.n_kv_heads, cfg.head_dim)

@@ -22,6 +22,7 @@ from ..pallas.qgemv_q8 import qgemv_q8, qgemv_q8_many
 from ..quant import QTensor, dequantize
 from ..quant.repack import PackedWeight, dequantize_packed
 from .actquant import quantize_q8_1, round_activations
+from .norms import rms_norm
 
 HIGHEST = jax.lax.Precision.HIGHEST
 GEMV_MAX_ROWS = 8  # rows of x the GEMV kernel takes in one pass (it unrolls them)
@@ -67,15 +68,24 @@ def qmatmul(x: jax.Array, w, act_rounding: str = "none") -> jax.Array:
     return jnp.einsum("...k,nk->...n", x, as_f32(w), precision=HIGHEST)
 
 
-def qmatmul_many(x: jax.Array, ws, act_rounding: str = "none") -> tuple:
+def qmatmul_many(x: jax.Array, ws, act_rounding: str = "none", norm: tuple | None = None) -> tuple:
     """``tuple(qmatmul(x, w, act_rounding) for w in ws)``: weights that read the same x (q, k, v).
 
     Decode steps with repacked weights take one launch for all of them (``qgemv_many``): the
     step is bound by launches and latency, not bytes (docs/LOG.md, decode profile). Anything
     else (prefill, the reference path, activation rounding that depends on the weight type) is
-    one ``qmatmul`` per weight.
+    one ``qmatmul`` per weight. ``norm = (weight [K], eps)`` first RMS-normalises x
+    (``ops.norms.rms_norm``); the one-launch f32 path does that inside the kernel.
     """
     rows = x.reshape(-1, x.shape[-1])  # [R, K]
+    if (norm is not None and act_rounding == "none" and rows.shape[0] <= GEMV_MAX_ROWS
+            and all(isinstance(w, PackedWeight) and w.layout in ("planes", "ggml") for w in ws)):
+        ys = qgemv_many(rows.astype(jnp.float32), tuple(ws), norm=norm[0], eps=float(norm[1]),
+                        interpret=interpret_kernels())
+        return tuple(y.reshape(*x.shape[:-1], y.shape[-1]) for y in ys)
+    if norm is not None:
+        x = rms_norm(x, norm[0], norm[1])
+        rows = x.reshape(-1, x.shape[-1])
     if rows.shape[0] <= GEMV_MAX_ROWS and all(takes_q8(w, act_rounding) for w in ws):  # one rounding for all
         ys = qgemv_q8_many(quantize_q8_1(rows), tuple(ws), interpret=interpret_kernels())
         return tuple(y.reshape(*x.shape[:-1], y.shape[-1]) for y in ys)

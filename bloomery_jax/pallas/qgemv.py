@@ -413,7 +413,27 @@ def accumulate_part(x_ref, store, *, bn: int, nrows: int):
     return body
 
 
-def _many_kernel(x_ref, *refs, parts, nrows: int, bn: int):
+class _NormedRows:
+    """``view[b, cols]`` is row b of x RMS-normalised and scaled by the norm weight, as
+    ``ops.norms.rms_norm``: the whole row's mean square is taken once per program (x is one
+    [B, K] block), so no normalised copy of x is written first."""
+
+    def __init__(self, x_ref, w_ref, eps: float, nrows: int):
+        self.x, self.w = x_ref, w_ref
+        k = x_ref.shape[1]
+        self.scales = []
+        for b in range(nrows):
+            row = x_ref[b, :].astype(F32)  # [K]
+            self.scales.append(1.0 / jnp.sqrt(jnp.sum(row * row) / k + jnp.float32(eps)))
+
+    def __getitem__(self, idx):
+        b, cols = idx
+        return (self.x[b, cols].astype(F32) * self.scales[b]) * self.w[cols].astype(F32)
+
+
+def _many_kernel(x_ref, *refs, parts, nrows: int, bn: int, eps: float | None):
+    if eps is not None:  # refs[0]: the norm weight [K]
+        x_ref, refs = _NormedRows(x_ref, refs[0], eps, nrows), refs[1:]
     o_ref = refs[-1]  # [1, B, BN]
 
     def store(b, y):
@@ -482,8 +502,9 @@ def many_operands(ws, k: int, lead: tuple, name: str, tuning: str | None = None)
     return Many(bn, tuple(parts), arrays, specs, start, params, split)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def qgemv_many(x: jax.Array, ws: tuple, *, interpret: bool = False) -> tuple:
+@functools.partial(jax.jit, static_argnames=("eps", "interpret"))
+def qgemv_many(x: jax.Array, ws: tuple, *, norm: jax.Array | None = None, eps: float = 0.0,
+               interpret: bool = False) -> tuple:
     """``tuple(x @ w.T for w in ws)`` in one launch: several planes- or ggml-layout weights that
     read the same x (q, k and v of a layer), each with its own format and layout.
 
@@ -496,6 +517,10 @@ def qgemv_many(x: jax.Array, ws: tuple, *, interpret: bool = False) -> tuple:
     Args:
       x: float ``[B, K]`` (B = 1..8).
       ws: tuple of 2-D planes- or ggml-layout PackedWeights ``[N_j, K]`` (Q8_0, Q4_K, Q5_K or Q6_K).
+      norm: None, or a float ``[K]`` RMS-norm weight: then the products are those of
+        ``ops.norms.rms_norm(x, norm, eps)`` (formed in-kernel; the mean square sums in another
+        order, so the last bits may differ).
+      eps: the norm's epsilon.
       interpret: run with the Pallas interpreter (CPU tests).
     Returns:
       tuple of float32 ``[B, N_j]``.
@@ -503,15 +528,20 @@ def qgemv_many(x: jax.Array, ws: tuple, *, interpret: bool = False) -> tuple:
     if x.ndim != 2 or not 1 <= x.shape[0] <= 8:
         raise ValueError(f"qgemv_many: x must be [B<=8, K], got {x.shape}")
     nrows, k = x.shape
+    if norm is not None and norm.shape != (k,):
+        raise ValueError(f"qgemv_many: norm must be [{k}], got {norm.shape}")
     m = many_operands(ws, k, (), "qgemv_many")
+    norms = () if norm is None else (norm.astype(F32),)
     y = pl.pallas_call(
-        functools.partial(_many_kernel, parts=m.parts, nrows=nrows, bn=m.bn),
+        functools.partial(_many_kernel, parts=m.parts, nrows=nrows, bn=m.bn,
+                          eps=None if norm is None else float(eps)),
         out_shape=jax.ShapeDtypeStruct((m.split_k, nrows, m.tiles * m.bn), F32),
         grid=(m.split_k, m.tiles),
-        in_specs=[pl.BlockSpec((nrows, k), lambda s, i: (0, 0)), *m.specs],
+        in_specs=[pl.BlockSpec((nrows, k), lambda s, i: (0, 0)), *[pl.BlockSpec((k,), lambda s, i: (0,))] * len(norms),
+                  *m.specs],
         out_specs=pl.BlockSpec((1, nrows, m.bn), lambda s, i: (s, 0, i)),
         compiler_params=m.compiler_params,
         interpret=interpret,
         name="qgemv_many",
-    )(x, *m.arrays)
+    )(x, *norms, *m.arrays)
     return m.split(y)
