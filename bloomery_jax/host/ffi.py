@@ -165,7 +165,7 @@ class FfiHostBridge(HostBridge):
         from .entry import layer_entry
 
         self._lib = library()
-        self._staging: list[int] = []  # every pinned buffer handed out (CUDA graphs may hold them)
+        self._pinned_buffers: list[int] = []  # never freed: recorded CUDA graphs may copy to or from them
         if _on_cuda():
             layers = {i: self._pinned_layer(layer) for i, layer in layers.items()}
         super().__init__(layers, threads)
@@ -258,6 +258,6 @@ class FfiHostBridge(HostBridge):
         device = jax.devices()[0].id
         p = self._lib.bloomery_ffi_pinned_alloc(device, max(size, 64), err, len(err))
         if not p:
-            raise ConfigError(f"ffi host bridge: pinned staging of {size} bytes: {err.value.decode()}")
-        self._staging.append(p)  # never freed while the process runs: recorded graphs may use it
+            raise ConfigError(f"ffi host bridge: pinned memory of {size} bytes: {err.value.decode()}")
+        self._pinned_buffers.append(p)
         return p
