@@ -27,7 +27,8 @@ import time
 
 import numpy as np
 
-from .cli_options import ATTENTION_HELP, BRIDGE_HELP, KERNELS_HELP, ROUTING_HELP, PLACE_HELP, WEIGHTS_HELP, add_residency_args
+from .cli_options import (ATTENTION_HELP, BRIDGE_HELP, KERNELS_HELP, PLACE_HELP, ROUTING_HELP, WEIGHTS_HELP,
+                          add_residency_args)
 from .engine.steps import bucket_for
 from .errors import BloomeryError, ConfigError
 from .settings import ATTENTION, BRIDGES, KERNELS, ROUTING, WEIGHT_FORMS

@@ -19,7 +19,8 @@ import json
 import random
 import sys
 
-from .cli_options import ATTENTION_HELP, BRIDGE_HELP, KERNELS_HELP, ROUTING_HELP, PLACE_HELP, WEIGHTS_HELP, add_residency_args
+from .cli_options import (ATTENTION_HELP, BRIDGE_HELP, KERNELS_HELP, PLACE_HELP, ROUTING_HELP, WEIGHTS_HELP,
+                          add_residency_args)
 from .errors import BloomeryError, ConfigError
 from .settings import ATTENTION, BRIDGES, KERNELS, ROUTING, WEIGHT_FORMS
 

@@ -13,10 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_host_experts import E, _layer, _routing
-from test_hybrid import SHAPE, prompt
+from test_hybrid import SHAPE, greedy_tokens, prompt
 
-from bloomery_jax.engine import Engine
-from bloomery_jax.engine.sampling import SamplingParams
 from bloomery_jax.errors import ConfigError
 from bloomery_jax.host import ffi_layout
 from bloomery_jax.host.bridge import HostBridge
@@ -117,16 +115,7 @@ def test_hybrid_model_same_logits_and_tokens_as_callback(synth_model):
         out, _, _ = forward(model.params, model.cfg, jnp.asarray(tokens), jnp.asarray(pos), model.init_cache(1, 12),
                             model.placement)
         logits.append(np.asarray(out))
-        eng = Engine(model, n_slots=1, max_context=48, ubatch=16, min_chunk=16)
-        seq = eng.add(prompt(1)[:10].tolist(), SamplingParams(temperature=0.0))
-        got = []
-        while seq.pending > 1:
-            sampled = eng.prefill(seq)
-            if sampled is not None:
-                got.append(sampled.token)
-        while len(got) < 8:
-            got.append(eng.decode([seq])[0].token)
-        decoded.append(got)
+        decoded.append(greedy_tokens(model, prompt(1)[:10].tolist(), 8, n_slots=1, max_context=48))
         assert model.placement.host.stats.calls > 0
     assert isinstance(model.placement.host, FfiHostBridge)
     np.testing.assert_array_equal(logits[1], logits[0])
@@ -183,7 +172,6 @@ int cuDevicePrimaryCtxRetain(void** ctx, int d) { *ctx = (void*)1; return 0; }
 int cuCtxPushCurrent_v2(void* ctx) { return 0; }
 int cuCtxPopCurrent_v2(void** ctx) { *ctx = (void*)1; return 0; }
 int cuMemHostAlloc(void** p, size_t n, unsigned flags) { return posix_memalign(p, 64, n); }
-int cuMemFreeHost(void* p) { free(p); return 0; }
 int cuMemcpyAsync(unsigned long long dst, unsigned long long src, size_t n, void* stream) {
   memcpy((void*)dst, (const void*)src, n); return 0; }
 int cuLaunchHostFunc(void* stream, host_fn fn, void* arg) { fn(arg); return 0; }

@@ -72,10 +72,11 @@ def library() -> ctypes.CDLL:
     lib.bloomery_ffi_set_record.argtypes = [ctypes.c_int64, ctypes.c_void_p]
     lib.bloomery_ffi_pinned_alloc.restype = ctypes.c_void_p
     lib.bloomery_ffi_pinned_alloc.argtypes = [ctypes.c_int, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_size_t]
+    on_cuda = _on_cuda()
     for target, cpu, cuda in ((TARGET, lib.BloomeryHostMoeCpu, lib.BloomeryHostMoeCuda),
                               (STREAM_TARGET, lib.BloomeryStreamCpu, lib.BloomeryStreamCuda)):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(cpu), platform="cpu")
-        if _on_cuda():
+        if on_cuda:
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(cuda), platform="CUDA")
     return lib
 

@@ -82,7 +82,8 @@ ffi::ErrorOr<int64_t*> Checked(int64_t slot, const ffi::AnyBuffer& x, const ffi:
 
 // A layer's expert tensor `role` (0 gate, 1 up, 2 down): its address and byte size, or an error
 // when the output buffer is not exactly that size.
-ffi::ErrorOr<std::pair<const void*, size_t>> Tensor(int64_t slot, int64_t role, const ffi::Result<ffi::AnyBuffer>& out) {
+ffi::ErrorOr<std::pair<const void*, size_t>> Tensor(int64_t slot, int64_t role,
+                                                    const ffi::Result<ffi::AnyBuffer>& out) {
   int64_t* rec = Record(slot);
   if (rec == nullptr || role < 0 || role > 2)
     return ffi::Error::InvalidArgument("bloomery host bridge: no layer record at slot " + std::to_string(slot) +
@@ -126,7 +127,6 @@ struct Driver {
   CUresult (*ctx_push)(void*) = nullptr;
   CUresult (*ctx_pop)(void**) = nullptr;
   CUresult (*host_alloc)(void**, size_t, unsigned) = nullptr;
-  CUresult (*host_free)(void*) = nullptr;
   CUresult (*memcpy_async)(uint64_t, uint64_t, size_t, CUstream) = nullptr;
   CUresult (*launch_host_func)(CUstream, void (*)(void*), void*) = nullptr;
   std::string error;
@@ -150,7 +150,6 @@ const Driver& Cuda() {
     sym(d.ctx_push, "cuCtxPushCurrent_v2");
     sym(d.ctx_pop, "cuCtxPopCurrent_v2");
     sym(d.host_alloc, "cuMemHostAlloc");
-    sym(d.host_free, "cuMemFreeHost");
     sym(d.memcpy_async, "cuMemcpyAsync");
     sym(d.launch_host_func, "cuLaunchHostFunc");
     return d;

@@ -78,20 +78,17 @@ def qmatmul_many(x: jax.Array, ws, act_rounding: str = "none", norm: tuple | Non
     (``ops.norms.rms_norm``); the one-launch f32 path does that inside the kernel.
     """
     rows = x.reshape(-1, x.shape[-1])  # [R, K]
-    if (norm is not None and act_rounding == "none" and rows.shape[0] <= GEMV_MAX_ROWS
-            and all(isinstance(w, PackedWeight) and w.layout in ("planes", "ggml") for w in ws)):
-        ys = qgemv_many(rows.astype(jnp.float32), tuple(ws), norm=norm[0], eps=float(norm[1]),
-                        interpret=interpret_kernels())
+    one_f32_launch = (act_rounding == "none" and rows.shape[0] <= GEMV_MAX_ROWS
+                      and all(isinstance(w, PackedWeight) and w.layout in ("planes", "ggml") for w in ws))
+    if one_f32_launch:
+        kw = {} if norm is None else dict(norm=norm[0], eps=float(norm[1]))
+        ys = qgemv_many(rows.astype(jnp.float32), tuple(ws), **kw, interpret=interpret_kernels())
         return tuple(y.reshape(*x.shape[:-1], y.shape[-1]) for y in ys)
     if norm is not None:
-        x = rms_norm(x, norm[0], norm[1])
+        x = rms_norm(x, *norm)
         rows = x.reshape(-1, x.shape[-1])
     if rows.shape[0] <= GEMV_MAX_ROWS and all(takes_q8(w, act_rounding) for w in ws):  # one rounding for all
         ys = qgemv_q8_many(quantize_q8_1(rows), tuple(ws), interpret=interpret_kernels())
-        return tuple(y.reshape(*x.shape[:-1], y.shape[-1]) for y in ys)
-    if (act_rounding == "none" and rows.shape[0] <= GEMV_MAX_ROWS
-            and all(isinstance(w, PackedWeight) and w.layout in ("planes", "ggml") for w in ws)):
-        ys = qgemv_many(rows.astype(jnp.float32), tuple(ws), interpret=interpret_kernels())
         return tuple(y.reshape(*x.shape[:-1], y.shape[-1]) for y in ys)
     return tuple(qmatmul(x, w, act_rounding) for w in ws)
 
