@@ -19,6 +19,7 @@
 #
 #   run: bash scripts/dispatch_probe.sh [--no-bench]   (carry .whl; writes under $OUT)
 #   --no-bench: the 8-layer variants and the HLO count only (no 48-layer file, no bench)
+#   VARIANTS="default host_ffi ...": run only these variants
 set -u
 BENCH=1; [ "${1:-}" = "--no-bench" ] && BENCH=0
 OUT=${OUT:-/tmp/dispatch_probe}
@@ -45,7 +46,7 @@ declare -A FLAGS=(
 # (gpu_executable), how many graph commands were updated (command_executor, command_buffer_thunk).
 VLOG=command_buffer_thunk=3,command_executor=1,gpu_executable=5
 best="" best_ms=1e9
-for name in default off skip_temp skip_profiled dump pallas_attn pallas_route pallas_both host_callback host_ffi; do
+for name in ${VARIANTS:-default off skip_temp skip_profiled dump pallas_attn pallas_route pallas_both host_callback host_ffi}; do
   vmod=""; [ $name = default ] || [ ${name#host_} != $name ] && vmod=$VLOG
   attn=xla; [ $name = pallas_attn ] || [ $name = pallas_both ] && attn=pallas  # decode attention kernel
   route=xla; [ $name = pallas_route ] || [ $name = pallas_both ] && route=pallas  # routing kernel
