@@ -187,6 +187,7 @@ from test_host_experts import E, _layer, _routing
 from bloomery_jax.host import ffi_layout as F, host_moe_swiglu
 from bloomery_jax.host.ffi import FfiHostBridge, library
 lib = library()
+lib.bloomery_ffi_start_host_thread()  # a GPU bridge starts it; here JAX is on the CPU
 layer = _layer("Q4_K_M")
 bridge = FfiHostBridge({5: layer}, threads=2)
 rec, slot = bridge._records[5], bridge._slots[5]
@@ -220,10 +221,12 @@ print("ok")
 """
 
 
-def test_cuda_path_queues_copies_host_call_and_copy_back(tmp_path):
+@pytest.mark.parametrize("host_thread", ["own", "driver", "driver-affinity"])
+def test_cuda_path_queues_copies_host_call_and_copy_back(tmp_path, host_thread):
     """The CUDA handler's queue of work (staging copies in, cuLaunchHostFunc, copy out) against a
     stand-in driver that runs each call at once: the staging is sized and used right, and the
-    result is the kernel's bit for bit. (Graph capture and the real driver run on the GPU machine.)"""
+    result is the kernel's bit for bit, whichever thread runs the host calls ("own": the bridge's
+    thread, which says so when it starts). (Graph capture and the real driver run on the GPU.)"""
     import os
     import subprocess
     import sys
@@ -235,7 +238,9 @@ def test_cuda_path_queues_copies_host_call_and_copy_back(tmp_path):
     subprocess.run([_compiler(), "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", str(src), "-o", str(so)], check=True)
     script = tmp_path / "cuda_path.py"
     script.write_text(CUDA_PATH_SCRIPT)
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "BLOOMERY_FFI_HOST_THREAD": host_thread, "BLOOMERY_FFI_DEBUG": "1"}
     res = subprocess.run([sys.executable, str(script), str(so), str(Path(__file__).parent)], capture_output=True,
                          text=True, env=env, timeout=600)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-3000:]
+    assert ("bloomery ffi host thread (own)" in res.stderr) == (host_thread == "own"), res.stderr[-3000:]
+    assert "bloomery ffi host thread (driver)" in res.stderr, res.stderr[-3000:]
