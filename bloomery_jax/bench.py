@@ -64,7 +64,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--weights", choices=WEIGHT_FORMS, default="auto", help=WEIGHTS_HELP)
     p.add_argument("--kernels", choices=KERNELS, default="auto", help=KERNELS_HELP)
     p.add_argument("--attention", choices=ATTENTION, default="xla", help=ATTENTION_HELP)
-    p.add_argument("--bridge", choices=BRIDGES, default="callback", help=BRIDGE_HELP)
+    p.add_argument("--bridge", choices=BRIDGES, default="auto", help=BRIDGE_HELP)
     p.add_argument("--routing", choices=ROUTING, default="xla", help=ROUTING_HELP)
     add_residency_args(p)
     p.add_argument("--json", action="store_true", help="one JSON record per line instead of a table")
@@ -186,9 +186,9 @@ def run(argv: list[str] | None = None, out=None, err=None) -> list[dict]:
                                   args.bridge, args.routing)
     witness = source_witness()
     size = sum(int(t.data.nbytes) for t in model.gguf.tensors.values())
-    from .models.loader import resolve_kernels
+    from .models.loader import resolve_bridge, resolve_kernels
 
-    kernels = resolve_kernels(args.kernels)
+    kernels, bridge = resolve_kernels(args.kernels), resolve_bridge(args.bridge)
     rng = np.random.default_rng(args.seed)
     records = []
     for parallel in args.parallel:
@@ -196,7 +196,7 @@ def run(argv: list[str] | None = None, out=None, err=None) -> list[dict]:
         for r in recs:
             r.update(model=str(model.path), architecture=model.gguf.architecture, model_bytes=size,
                      ubatch=args.ubatch, kv_dtype=args.kv_dtype, kernels=kernels, attention=args.attention,
-                     bridge=args.bridge, routing=args.routing, weights=args.weights, reps=args.reps, load_s=load_s,
+                     bridge=bridge, routing=args.routing, weights=args.weights, reps=args.reps, load_s=load_s,
                      compile_s=compile_s, witness=witness)
             if args.json:  # as each finishes: a run cut short still leaves what it measured
                 out.write(json.dumps(r) + "\n")

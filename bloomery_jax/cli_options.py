@@ -28,7 +28,8 @@ ROUTING_HELP = ("MoE routing: xla (softmax, sort and gather: three or four kerne
 
 BRIDGE_HELP = ("how the step reaches the host experts: callback (jax.pure_callback: syncs and copies through "
                "Python) or ffi (an XLA FFI custom call into the compiled kernel, built on first use with the "
-               "system's C++ compiler; on a GPU it is queued on the step's stream; default callback)")
+               "system's C++ compiler; on a GPU it is queued on the step's stream) or auto (ffi on a GPU, "
+               "else callback; the default)")
 
 
 def add_residency_args(parser, record_routing: bool = True) -> None:

@@ -52,7 +52,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--weights", choices=WEIGHT_FORMS, default="auto", help=WEIGHTS_HELP)
     p.add_argument("--kernels", choices=KERNELS, default="auto", help=KERNELS_HELP)
     p.add_argument("--attention", choices=ATTENTION, default="xla", help=ATTENTION_HELP)
-    p.add_argument("--bridge", choices=BRIDGES, default="callback", help=BRIDGE_HELP)
+    p.add_argument("--bridge", choices=BRIDGES, default="auto", help=BRIDGE_HELP)
     p.add_argument("--routing", choices=ROUTING, default="xla", help=ROUTING_HELP)
     add_residency_args(p)
     p.add_argument("--json", action="store_true", help="print token ids and timings as JSON")

@@ -20,7 +20,7 @@ KERNELS = ("reference", "pallas", "pallas-tf32", "pallas-q8", "auto")  # auto: p
 KV_DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION = ("xla", "pallas")  # decode attention (models.loader.load_model)
 ROUTING = ("xla", "pallas")  # MoE routing (models.loader.load_model)
-BRIDGES = ("callback", "ffi")  # the host-expert bridge (models.loader.load_model)
+BRIDGES = ("callback", "ffi", "auto")  # the host-expert bridge; auto: ffi on a GPU (models.loader.resolve_bridge)
 WEIGHT_FORMS = ("blocks", "f32", "auto")  # card weights (models.loader.load_model)
 
 
@@ -35,7 +35,7 @@ class RuntimeSettings:
     kv_dtype: str = "float32"
     weights: str = "auto"  # card weights: blocks | f32 | auto (models.loader.load_model)
     attention: str = "xla"  # decode attention: xla (jnp) | pallas (kernel on the cache buffer)
-    bridge: str = "callback"  # host experts: callback (jax.pure_callback) | ffi (XLA FFI custom call)
+    bridge: str = "auto"  # host experts: callback (jax.pure_callback) | ffi (XLA FFI custom call) | auto
     routing: str = "xla"  # MoE routing: xla (jnp softmax + top-k) | pallas (one kernel)
 
     def __post_init__(self):

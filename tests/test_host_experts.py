@@ -353,3 +353,27 @@ def test_decoded_row_dots_against_dequantized_rows(qtype):
                 v = R.round_act(X[m], kind).astype(np.float64)
                 tol = R.dot_rounds(K, kind) * R.U * (mag[r] @ np.abs(v))
                 assert abs(res[m] - wd[r] @ v) <= tol, (act, r, m)
+
+
+@pytest.mark.parametrize("preset", [None, "ACTIVE"])
+def test_openmp_workers_wait_passively_unless_the_user_says(preset):
+    """OpenMP reads its wait policy once, when Numba starts it: importing bloomery_jax sets
+    PASSIVE first (spinning workers starved the FFI bridge's host calls on the GPU machine), and a
+    policy the user set is kept. libgomp's own account of its settings (OMP_DISPLAY_ENV) says
+    what it read (a passive policy is a spin count of 0; unset, it spins 300,000 times)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env.update(OMP_DISPLAY_ENV="VERBOSE", **({"OMP_WAIT_POLICY": preset} if preset else {}))
+    code = ("import bloomery_jax.host, numba; numba.get_num_threads(); "
+            "print(numba.threading_layer())")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    if res.stdout.strip() != "omp":
+        pytest.skip(f"Numba's threading layer here is {res.stdout.strip()}, not OpenMP")
+    if preset:
+        assert f"OMP_WAIT_POLICY = '{preset}'" in res.stderr, res.stderr[-2000:]
+    else:
+        assert "GOMP_SPINCOUNT = '0'" in res.stderr, res.stderr[-2000:]

@@ -169,7 +169,6 @@ class FfiHostBridge(HostBridge):
         self._pinned_buffers: list[int] = []  # never freed: recorded CUDA graphs may copy to or from them
         if _on_cuda():
             layers = {i: self._pinned_layer(layer) for i, layer in layers.items()}
-            self._lib.bloomery_ffi_start_host_thread()
         super().__init__(layers, threads)
         n_threads = int(threads) if threads is not None else numba.config.NUMBA_NUM_THREADS
         entry = dict(FN=layer_entry.address, SET_THREADS=_numba_set_threads(), THREADS=n_threads)

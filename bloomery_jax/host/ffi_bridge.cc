@@ -14,21 +14,15 @@
 // this file needs no CUDA toolkit.
 
 #include <dlfcn.h>
-#include <sched.h>
-#include <sys/resource.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdio>
 #include <cstring>
 #include <cstdint>
 #include <map>
 #include <mutex>
 #include <string>
-#include <thread>
 #include <tuple>
 #include <utility>
 
@@ -193,83 +187,9 @@ HostCall* Intern(int64_t* rec, int64_t n) {
   return c;
 }
 
-void RunCall(HostCall* c) { RunHost(c->rec, c->x, c->experts, c->weights, c->on_host, c->out, c->n); }
-
-// Where a queued host function runs. The driver calls it on a thread of its own, and the layer
-// kernel's parallel region then starts its workers from that thread ("driver"); "own" hands each
-// call to a thread this library started from the importing (Python) thread and waits for it;
-// "driver-affinity" runs on the driver's thread after giving it the process's CPU mask.
-// BLOOMERY_FFI_HOST_THREAD picks one; BLOOMERY_FFI_DEBUG=1 prints each thread's scheduling once.
-enum class HostThread { kDriver, kOwn, kDriverAffinity };
-
-HostThread Mode() {
-  static const HostThread mode = [] {
-    const char* v = getenv("BLOOMERY_FFI_HOST_THREAD");
-    std::string s = v ? v : "own";
-    return s == "driver" ? HostThread::kDriver : s == "driver-affinity" ? HostThread::kDriverAffinity : HostThread::kOwn;
-  }();
-  return mode;
-}
-
-cpu_set_t g_process_mask;  // the importing thread's CPU mask, taken when the library is loaded
-__attribute__((constructor)) void TakeProcessMask() { sched_getaffinity(0, sizeof g_process_mask, &g_process_mask); }
-
-void Describe(const char* who) {
-  if (getenv("BLOOMERY_FFI_DEBUG") == nullptr) return;
-  cpu_set_t mask;
-  sched_getaffinity(0, sizeof mask, &mask);
-  sched_param param{};
-  int policy = 0;
-  pthread_getschedparam(pthread_self(), &policy, &param);
-  int nice = getpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)));
-  fprintf(stderr, "bloomery ffi host thread (%s): %d of the process's %d CPUs, policy %d, priority %d, nice %d\n",
-          who, CPU_COUNT(&mask), CPU_COUNT(&g_process_mask), policy, param.sched_priority, nice);
-}
-
-// A worker thread that runs host calls handed to it one at a time; the caller waits.
-class OwnThread {
- public:
-  OwnThread() : thread_([this] { Loop(); }) { thread_.detach(); }
-
-  void Run(HostCall* c) {
-    std::unique_lock<std::mutex> lock(mu_);
-    job_ = c;
-    wake_.notify_one();
-    done_.wait(lock, [&] { return job_ == nullptr; });
-  }
-
- private:
-  void Loop() {
-    Describe("own");
-    std::unique_lock<std::mutex> lock(mu_);
-    for (;;) {
-      wake_.wait(lock, [&] { return job_ != nullptr; });
-      RunCall(job_);
-      job_ = nullptr;
-      done_.notify_one();
-    }
-  }
-
-  std::mutex mu_;
-  std::condition_variable wake_, done_;
-  HostCall* job_ = nullptr;
-  std::thread thread_;
-};
-
-std::atomic<OwnThread*> g_own_thread{nullptr};
-
 void HostCallback(void* arg) {
-  static std::once_flag described;
-  std::call_once(described, [] {
-    if (Mode() == HostThread::kDriverAffinity) sched_setaffinity(0, sizeof g_process_mask, &g_process_mask);
-    Describe("driver");
-  });
   auto* c = static_cast<HostCall*>(arg);
-  OwnThread* own = Mode() == HostThread::kOwn ? g_own_thread.load(std::memory_order_acquire) : nullptr;
-  if (own != nullptr)
-    own->Run(c);
-  else
-    RunCall(c);
+  RunHost(c->rec, c->x, c->experts, c->weights, c->on_host, c->out, c->n);
 }
 
 // The CUDA path's work for one call: copies in, the host function, the copy out, all queued on
@@ -375,15 +295,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BloomeryStreamCuda, StreamCuda,
 extern "C" {
 
 int bloomery_ffi_record_words() { return kWords; }
-
-// Starts the thread that runs queued host calls (HostThread::kOwn), once; call it from the thread
-// whose scheduling the host kernels should have (the Python thread that made the bridge).
-void bloomery_ffi_start_host_thread() {
-  static std::once_flag started;
-  std::call_once(started, [] {
-    if (Mode() == HostThread::kOwn) g_own_thread.store(new OwnThread, std::memory_order_release);
-  });
-}
 
 // Points slot at a record (nullptr clears it); 0 on success.
 int bloomery_ffi_set_record(int64_t slot, int64_t* record) {
