@@ -7,7 +7,8 @@ import os
 # waiting thread, the CUDA driver's host-function thread), and spinning workers then take the
 # cores the late ones need: on the H200 host, 16 spinning workers ran the FFI bridge's host
 # calls ~20x slower (8-layer decode 5.5 against 108 tok/s passive). Set before Numba starts
-# OpenMP, which reads it once; a value the user set stays.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OpenMP, which reads it once; a policy or spin count the user set stays.
+if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 __version__ = "0.1.0"

@@ -94,7 +94,8 @@ def _check(y, ref, tol):
 def test_matches_reference(name, act):
     layer = _layer(name)
     rng = np.random.default_rng(7)
-    for N, k in ((1, 2), (3, 4), (17, 3)):
+    # 70 x 2: enough activation elements (N D, pairs x F) for the kernel's parallel preparation
+    for N, k in ((1, 2), (3, 4), (17, 3), (70, 2)):
         x, experts, weights = _routing(rng, N, k)
         on_host = rng.random(E) < 0.6
         on_host[experts[0, 0]] = True  # at least one host pair
@@ -355,7 +356,7 @@ def test_decoded_row_dots_against_dequantized_rows(qtype):
                 assert abs(res[m] - wd[r] @ v) <= tol, (act, r, m)
 
 
-@pytest.mark.parametrize("preset", [None, "ACTIVE"])
+@pytest.mark.parametrize("preset", [None, {"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "10000"}])
 def test_openmp_workers_wait_passively_unless_the_user_says(preset):
     """OpenMP reads its wait policy once, when Numba starts it: importing bloomery_jax sets
     PASSIVE first (spinning workers starved the FFI bridge's host calls on the GPU machine), and a
@@ -365,15 +366,15 @@ def test_openmp_workers_wait_passively_unless_the_user_says(preset):
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    env.update(OMP_DISPLAY_ENV="VERBOSE", **({"OMP_WAIT_POLICY": preset} if preset else {}))
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env.update(OMP_DISPLAY_ENV="VERBOSE", **(preset or {}))
     code = ("import bloomery_jax.host, numba; numba.get_num_threads(); "
             "print(numba.threading_layer())")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     if res.stdout.strip() != "omp":
         pytest.skip(f"Numba's threading layer here is {res.stdout.strip()}, not OpenMP")
-    if preset:
-        assert f"OMP_WAIT_POLICY = '{preset}'" in res.stderr, res.stderr[-2000:]
-    else:
+    if preset is None:
         assert "GOMP_SPINCOUNT = '0'" in res.stderr, res.stderr[-2000:]
+    for name, value in (preset or {}).items():
+        assert f"{name} = '{value}'" in res.stderr, res.stderr[-2000:]

@@ -95,6 +95,10 @@ KERNEL_FORMATS = {T.F32: B.F32, T.F16: B.F16, T.BF16: B.BF16, T.Q8_0: B.Q8_0,
 ACTS = ("f32", "q8")
 DEFAULT_ACT = "q8"
 ROWS_PER_ITEM = 16  # rows of one expert per parallel work item
+# Activation rows with fewer elements than this are prepared (rounded to 8 bits, summed) on the
+# calling thread: a decode call's 1 x 2048 inputs and 8 x 768 hidden rows take microseconds,
+# less than waking the workers for a parallel region (they sleep between regions: OMP_WAIT_POLICY).
+SERIAL_PREP_MAX = 16384
 CHUNKSIZE = 0  # see host_moe_swiglu (Numba's default, static)
 # An expert with at least this many tokens decodes each row once for all of them (see
 # host_moe_swiglu); Q8_0 rows against Q8_0 activations are cheap to dot straight from the
@@ -400,8 +404,12 @@ def _moe_kernel(out, x, experts, weights, on_host, gw, uw, dw, gfmt, ufmt, dfmt,
     # Phase 1: H[p, f] = silu(gate_e[f] · x_t) * (up_e[f] · x_t), items (expert, block of F rows).
     XS, XQK, XDK, XBK, XQ8, X16, XQ0, XD0 = _act_buffers(N, D)
     ka, kb = _kind(gfmt, q8), _kind(ufmt, q8)
-    for n in prange(N):
-        _prepare_row(x, n, ka, kb, XS, XQK, XDK, XBK, XQ8, X16, XQ0, XD0)
+    if N * D >= SERIAL_PREP_MAX:
+        for n in prange(N):
+            _prepare_row(x, n, ka, kb, XS, XQK, XDK, XBK, XQ8, X16, XQ0, XD0)
+    else:  # a decode call's few rows: not worth waking the workers for (a parallel region each)
+        for n in range(N):
+            _prepare_row(x, n, ka, kb, XS, XQK, XDK, XBK, XQ8, X16, XQ0, XD0)
     H = np.empty((P, F), np.float32)
     nrb = (F + rpi - 1) // rpi
     for it in prange(G * nrb):
@@ -436,8 +444,12 @@ def _moe_kernel(out, x, experts, weights, on_host, gw, uw, dw, gfmt, ufmt, dfmt,
     # is summed in ascending expert order whatever the thread count. (No [P, D] buffer either.)
     HS, HQK, HDK, HBK, HQ8, H16, HQ0, HD0 = _act_buffers(P, F)
     kd = _kind(dfmt, q8)
-    for p in prange(P):
-        _prepare_row(H, p, kd, kd, HS, HQK, HDK, HBK, HQ8, H16, HQ0, HD0)
+    if P * F >= SERIAL_PREP_MAX:
+        for p in prange(P):
+            _prepare_row(H, p, kd, kd, HS, HQK, HDK, HBK, HQ8, H16, HQ0, HD0)
+    else:
+        for p in range(P):
+            _prepare_row(H, p, kd, kd, HS, HQK, HDK, HBK, HQ8, H16, HQ0, HD0)
     rpi2 = max(1, min(rpi, D // (4 * nthreads)))  # >= 4 items a thread
     nrb = (D + rpi2 - 1) // rpi2
     for it in prange(nrb):
