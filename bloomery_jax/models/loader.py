@@ -105,7 +105,7 @@ def load_model(path: str | os.PathLike, *, device=None, place="card", reserve_by
 
     if attention not in ATTENTION:
         raise ConfigError(f"attention={attention!r}: must be one of {', '.join(ATTENTION)}")
-    bridge = resolve_bridge(bridge)
+    bridge = resolve_bridge(bridge, device)
     if routing not in ROUTING:
         raise ConfigError(f"routing={routing!r}: must be one of {', '.join(ROUTING)}")
     gf = GGUFFile(path)
