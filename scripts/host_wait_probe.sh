@@ -6,7 +6,7 @@
 # Spinning workers (libgomp's default: 300,000 spins after each region) starved the FFI bridge's
 # host calls ~20x on the H200 (benchmarks/gpu_2026-12-04-s8); bloomery_jax now sets
 # OMP_WAIT_POLICY=PASSIVE, whose wake-ups may be what keeps a decode host call at ~0.8 ms against
-# host_bench's ~0.4. A short spin count may get both.
+# host_bench's ~0.4. A short spin count may get both; so may fewer threads than cores.
 #
 #   run: bash scripts/host_wait_probe.sh   (carry .whl; writes under $OUT)
 set -u
@@ -14,17 +14,19 @@ OUT=${OUT:-/tmp/host_wait_probe}
 mkdir -p "$OUT"
 M8=/tmp/bloomery/qwen3-30b-a3b-shape-8l-q4km.gguf
 python3 scripts/gpu_session.py --out "$OUT" model --layers 8 2>&1 | tail -1 | cut -c1-120
-T=$(nproc)
-for v in passive spin1k spin10k spin100k; do
-  case $v in
+C=$(nproc)
+# variant = wait policy and thread count: all cores, two left to the threads that wait on the GPU, half
+for v in passive-t$C passive-t$((C - 2)) passive-t$((C / 2)) spin1k-t$C spin10k-t$C spin100k-t$C; do
+  T=${v##*-t} w=${v%-t*}
+  case $w in
     passive) wait_env="OMP_WAIT_POLICY=PASSIVE" ;;
-    spin*) n=${v#spin}; wait_env="GOMP_SPINCOUNT=${n%k}000" ;;
+    spin*) n=${w#spin}; wait_env="GOMP_SPINCOUNT=${n%k}000" ;;
   esac
   env $wait_env timeout 150 python3 scripts/host_bench.py --weights q4_k_m --acts q8 --tokens 1,8 --threads $T \
     --reps 15 --out "$OUT/host_bench-$v.json" > /dev/null 2>&1
   env $wait_env timeout 150 python3 scripts/bridge_bench.py --work 64 --layers 36 --reps 10 --threads $T \
     --json "$OUT/bridge_work-$v.json" > /dev/null 2>&1
-  env $wait_env timeout 120 python3 -m bloomery_jax.generate --model $M8 --prompt "the sea is" -n 32 --temperature 0 \
+  env $wait_env NUMBA_NUM_THREADS=$T timeout 120 python3 -m bloomery_jax.generate --model $M8 --prompt "the sea is" -n 32 --temperature 0 \
     --place n-cpu-moe=6 --kernels pallas --bridge ffi --json > "$OUT/generate-$v.json" 2> /dev/null
   python3 - "$OUT" $v <<'PY'
 import json, sys
