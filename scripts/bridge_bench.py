@@ -49,10 +49,15 @@ def work_layer(n_experts: int):
     return make_layer("q4_k_m", n_experts, 768, 2048, distinct=4)
 
 
+def routed(experts, layer: int, n_experts: int):
+    """Layer ``layer``'s routing: ``experts`` moved on by k experts a layer (NumPy or jax arrays)."""
+    return (experts + layer * experts.shape[1]) % n_experts
+
+
 def chain(bridge, x, experts, weights, on_host, layers: int):
     for l in range(layers):
-        routed = (experts + l * experts.shape[1]) % on_host.shape[0]
-        y = bridge.moe(0, x, routed, weights, on_host) if bridge is not None else x * jnp.float32(1.0)
+        y = (bridge.moe(0, x, routed(experts, l, on_host.shape[0]), weights, on_host) if bridge is not None
+             else x * jnp.float32(1.0))
         x = (x + y) * jnp.float32(0.5)
     return x
 
@@ -64,12 +69,12 @@ def kernel_alone(lay, inputs, layers: int, reps: int, threads) -> float:
     x, experts, weights, on_host = (np.asarray(a) for a in inputs)
     if threads:
         numba.set_num_threads(threads)
-    calls = [(experts + l * experts.shape[1]) % on_host.shape[0] for l in range(layers)]
+    calls = [routed(experts, l, on_host.shape[0]) for l in range(layers)]
     times = []
     for _ in range(reps + 1):
         t0 = time.perf_counter()
-        for routed in calls:
-            host_moe_swiglu(x, routed, weights, on_host, lay)
+        for layer_experts in calls:
+            host_moe_swiglu(x, layer_experts, weights, on_host, lay)
         times.append(time.perf_counter() - t0)
     return statistics.median(times[1:])
 
