@@ -238,7 +238,10 @@ def stage_llamacpp(args) -> None:
     if not binary.exists():
         raise SystemExit("llama-bench is not built: run `bash .baseline/llamacpp_gpu.sh build` first")
     results = {}
-    for name, extra in (("all-card", []), ("ncmoe36", ["-ncmoe", "36"])):
+    runs = (("all-card", "card", []), ("ncmoe36", "ncmoe36", ["-ncmoe", "36"]))
+    for name, ours, extra in runs:
+        if args.only and not any(v == ours or (v.startswith("quarter") and ours == "ncmoe36") for v in args.only):
+            continue  # --only names our variants: llama.cpp runs the setting compare pairs each with
         cmd = [str(binary), "-m", str(model_path(args)), "-p", "512", "-n", "128", "-ngl", "99", "-fa", "1",
                "-t", str(os.cpu_count()), "-r", str(args.reps), "-o", "json", *extra]
         log(" ".join(cmd))
@@ -259,10 +262,14 @@ def stage_compare(args) -> None:
     for name, run in json.loads((args.out / "llamacpp.json").read_text()).items():
         for r in run["records"] if isinstance(run["records"], list) else []:
             theirs[(name, f"pp{r['n_prompt']}" if r["n_prompt"] else f"tg{r['n_gen']}")] = r["avg_ts"]
-    pairs = {f"bench-{ours}-{k}": theirs for ours, theirs in (("card", "all-card"), ("ncmoe36", "ncmoe36"))
-             for k in ("pallas", "pallas-tf32", "pallas-q8", "pallas-attn-pallas", "pallas-route-pallas",
-                       "pallas-attn-pallas-route-pallas", "pallas-bridge-ffi", "pallas-attn-pallas-bridge-ffi",
-                       "pallas-attn-pallas-route-pallas-bridge-ffi")}
+    # llama.cpp's counterpart of each of our variants: -ncmoe 36 keeps 12 of 48 layers' experts on
+    # the card, the card memory of a quarter of every layer's experts (the quarter-* variants)
+    variants = sorted(bench_variants(args), key=len, reverse=True)  # "quarter-lfu-stream" before "quarter-lfu"
+    pairs = {}
+    for stem, _, _ in ours:
+        name = next((v for v in variants if stem.startswith(f"bench-{v}-")), None)
+        if name:
+            pairs[stem] = "all-card" if name == "card" else "ncmoe36"
     rows = [dict(ours=stem, llamacpp=pairs[stem], test=test, parallel=par, ours_tps=round(tps, 1),
                  llamacpp_tps=round(theirs[(pairs[stem], test)], 1), ratio=round(tps / theirs[(pairs[stem], test)], 3))
             for (stem, test, par), tps in ours.items() if stem in pairs and (pairs[stem], test) in theirs]

@@ -9,10 +9,18 @@ whose device events are summed by kernel name. Prints one JSON line:
   dispatch_ms      median time for the step call to return (async: the host's own work)
   step_ms          median time from the call to the sampled token on the host
   device_busy_ms   sum of device kernel durations per step (from the trace)
+  device_span_ms   median time per step from its first kernel's start to its last kernel's end
+                   (steps split at idle gaps over --step-gap-us): busy time plus the gaps between
+                   kernels, which inside a CUDA graph are the graph's per-node cost
+  timeline         the middle traced step's kernels in order: name, start offset and duration (us)
   kernels          the top --top kernels: name, calls and microseconds per step, share of busy time
 
   python scripts/profile_decode.py --model M.gguf --kernels pallas --out prof/   # GPU
   python scripts/profile_decode.py --tiny --out /tmp/prof                        # CPU smoke run
+
+XLA turns command buffers off while a profiler runs, so the trace shows kernels launched one by
+one; ``XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true`` keeps the CUDA graphs, and
+then the gaps are the graph's own.
 
 On the CPU the "device" is the host: the trace then holds XLA's CPU ops, good only for
 checking the script.
@@ -98,6 +106,31 @@ def summarize(events: list[dict], steps: int, top: int) -> tuple[float, list[dic
                              share=round(us / steps / busy, 3) if busy else 0.0) for name, (calls, us) in rows]
 
 
+def split_steps(events: list[dict], gap_us: float) -> list[list[dict]]:
+    """Kernel events in time order, split where the device was idle longer than gap_us (the
+    host's wait for a sampled token between two decode steps)."""
+    events = sorted(events, key=lambda e: float(e["ts"]))
+    steps, end = [], None
+    for e in events:
+        ts, dur = float(e["ts"]), float(e.get("dur", 0.0))
+        if end is None or ts - end > gap_us:
+            steps.append([])
+        steps[-1].append(e)
+        end = ts + dur if end is None else max(end, ts + dur)
+    return steps
+
+
+def step_spans(steps: list[list[dict]]) -> list[float]:
+    """Microseconds from each step's first kernel start to its last kernel end."""
+    return [max(float(e["ts"]) + float(e.get("dur", 0.0)) for e in s) - float(s[0]["ts"]) for s in steps]
+
+
+def timeline(step: list[dict]) -> list[list]:
+    """[name, start offset us, duration us] of one step's kernels in order."""
+    t0 = float(step[0]["ts"])
+    return [[e["name"][:60], round(float(e["ts"]) - t0, 1), round(float(e.get("dur", 0.0)), 1)] for e in step]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", help="a GGUF file")
@@ -111,6 +144,8 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=32, help="decode steps timed, then traced")
     p.add_argument("--top", type=int, default=40, help="kernels listed")
     p.add_argument("--out", type=Path, required=True, help="trace directory (and profile.json)")
+    p.add_argument("--step-gap-us", type=float, default=200.0,
+                   help="an idle device gap longer than this separates two steps in the trace")
     p.add_argument("--no-trace", action="store_true",
                    help="timed steps only (XLA turns command buffers off while profiling)")
     a = p.parse_args(argv)
@@ -136,23 +171,30 @@ def main(argv=None):
     timed_steps(engine, seq, 2)  # compile and warm
     compile_s = time.perf_counter() - t0
     dispatch, total = timed_steps(engine, seq, a.steps)
-    busy_ms, kernels = None, []
+    busy_ms, kernels, span_ms, n_split, middle = None, [], None, None, []
     if not a.no_trace:
         trace_dir = a.out / "trace"
         with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
             timed_steps(engine, seq, a.steps)
-        busy_ms, kernels = summarize(device_events(trace_dir), a.steps, a.top)
+        events = device_events(trace_dir)
+        busy_ms, kernels = summarize(events, a.steps, a.top)
+        steps = split_steps(events, a.step_gap_us)
+        n_split = len(steps)  # a.steps when the gap threshold separates exactly the steps
+        span_ms = statistics.median(step_spans(steps)) / 1e3
+        middle = timeline(steps[len(steps) // 2])
     leaves = len(jax.tree_util.tree_leaves((engine.params, engine.placement)))
     result = dict(bench="profile_decode", model=a.model, kernels=a.kernels, attention=a.attention, place=a.place, bridge=a.bridge, routing=a.routing,
                   device=str(jax.devices()[0].device_kind), layers=model.cfg.n_layers, leaves=leaves,
                   load_s=round(load_s, 1), compile_s=round(compile_s, 1), steps=a.steps,
                   dispatch_ms=round(statistics.median(dispatch) * 1e3, 3),
                   step_ms=round(statistics.median(total) * 1e3, 3),
-                  device_busy_ms=None if busy_ms is None else round(busy_ms, 3), xla_flags=os.environ.get("XLA_FLAGS", ""),
-                  kernels_top=kernels)
+                  device_busy_ms=None if busy_ms is None else round(busy_ms, 3),
+                  device_span_ms=None if span_ms is None else round(span_ms, 3), traced_steps_found=n_split,
+                  xla_flags=os.environ.get("XLA_FLAGS", ""),
+                  kernels_top=kernels, timeline=middle)
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "profile.json").write_text(json.dumps(result, indent=1))
-    print(json.dumps(result))
+    print(json.dumps({k: v for k, v in result.items() if k != "timeline"}))  # the timeline is in profile.json
 
 
 if __name__ == "__main__":

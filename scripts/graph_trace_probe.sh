@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# One device call: where the card decode step's time goes inside its CUDA graph, while llama.cpp
+# builds and the 48-layer file is written on the other cores (both needed by the next calls).
+#
+# The 8-layer decode step takes ~2.4-3.4 ms (~300-400 us a layer, against ~68 us a layer for
+# llama.cpp's whole decode) although its kernels summed to ~106 us a layer when launched one by
+# one under the profiler (benchmarks/gpu_2026-12-03-s5): a profiler session turns XLA's command
+# buffers off. --xla_enable_command_buffers_during_profiling keeps the graph, so the trace gives
+# each node's time inside it and the gaps between nodes (profile_decode.py's device_span_ms and
+# timeline). Variants, all with --kernels pallas --attention pallas --routing pallas:
+#   graph    the trace with the graphs kept
+#   opbyop   the trace as XLA does it by default (kernels launched one by one)
+#   dump     no trace; XLA's thunk sequence of the decode module (what the graph holds)
+#
+#   run: bash scripts/graph_trace_probe.sh   (carry .whl and, to build llama.cpp, .baseline;
+#        BUILD=0 skips the build and the 48-layer file; writes under $OUT). The build and the
+#        48-layer file go on after the call returns; the next call starts with
+#        scripts/await_builds.sh.
+set -u
+OUT=${OUT:-/tmp/graph_trace_probe}
+mkdir -p "$OUT"
+S="python3 scripts/gpu_session.py --out $OUT"
+M8=/tmp/bloomery/qwen3-30b-a3b-shape-8l-q4km.gguf
+if [ "${BUILD:-1}" = 1 ]; then
+  # in their own sessions, so they outlive this call on a warm machine: the next call waits for
+  # /tmp/llbuild.done and /tmp/model48.done (scripts/await_builds.sh)
+  rm -f /tmp/llbuild.done /tmp/model48.done
+  setsid bash -c "taskset -c 0-11 nice -n 10 bash .baseline/llamacpp_gpu.sh build > /tmp/llbuild.log 2>&1; echo \$? > /tmp/llbuild.done" < /dev/null > /dev/null 2>&1 &
+  setsid bash -c "taskset -c 12 nice -n 19 python3 scripts/gpu_session.py --out /tmp/model48-out model > /tmp/model48.log 2>&1; echo \$? > /tmp/model48.done" < /dev/null > /dev/null 2>&1 &
+fi
+CORES=13-15; [ "${BUILD:-1}" = 1 ] || CORES=0-15
+taskset -c $CORES $S model --layers 8 2>&1 | tail -1 | cut -c1-160
+declare -A FLAGS=(
+  [graph]="--xla_enable_command_buffers_during_profiling=true"
+  [opbyop]=""
+  [dump]="--xla_dump_to=/tmp/gtp-dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*"
+)
+for v in graph opbyop dump; do
+  trace=""; [ $v = dump ] && trace="--no-trace"
+  XLA_FLAGS="${FLAGS[$v]}" taskset -c $CORES timeout 150 python3 scripts/profile_decode.py --model $M8 \
+    --kernels pallas --attention pallas --routing pallas --steps 16 $trace --out /tmp/gtp-$v > /tmp/gtp-$v.log 2>&1
+  echo "$v: rc $? at ${SECONDS}s"
+  if [ -f /tmp/gtp-$v/profile.json ]; then
+    cp /tmp/gtp-$v/profile.json "$OUT/profile-$v.json"
+    python3 - /tmp/gtp-$v/profile.json <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+print({k: d.get(k) for k in ("dispatch_ms", "step_ms", "device_busy_ms", "device_span_ms", "traced_steps_found")})
+for k in d.get("kernels_top", [])[:12]:
+    print("  ", k["name"][:50], k["calls_per_step"], k["us_per_step"])
+PY
+  else
+    tail -5 /tmp/gtp-$v.log | cut -c1-300
+  fi
+done
+seq_file=$(ls -t /tmp/gtp-dump/*decode*thunk_sequence_after_thunk_passes* 2>/dev/null | head -1)
+[ -n "$seq_file" ] && cp "$seq_file" "$OUT/decode_8l_thunk_sequence.txt" && echo "thunks: $(grep -c . "$seq_file") lines"
+python3 scripts/hlo_launches.py /tmp/gtp-dump > "$OUT/hlo_launches.json" 2>&1; cut -c1-300 "$OUT/hlo_launches.json"
+echo "end ${SECONDS}s; llama.cpp build done: $(cat /tmp/llbuild.done 2>/dev/null || echo no), 48-layer file: $(cat /tmp/model48.done 2>/dev/null || echo no)"
