@@ -1,9 +1,10 @@
 """Decode attention bench: the Pallas split-K kernel against the jnp reference, one layer, one token a sequence.
 
 At Qwen3-30B-A3B attention shapes (32 query heads, 4 kv heads of 128; f32 cache) for each
-cache length S and batch B: median microseconds over --reps samples of --calls back-to-back
-calls, GB/s of the cache bytes read (visible slots of k and v), and max |diff| against
-``ops.attention.gqa_attention``. The cache is full (visible = S). Prints one JSON line.
+cache length S, batch B, slots per program and query heads per program: median microseconds
+over --reps samples of --calls back-to-back calls, GB/s of the cache bytes read (visible slots
+of k and v), and max |diff| against ``ops.attention.gqa_attention``. The cache is full
+(visible = S). Prints one JSON line.
 
   python scripts/attention_bench.py                          # GPU
   python scripts/attention_bench.py --interpret              # CPU smoke run, small shapes
@@ -32,6 +33,7 @@ def main(argv=None):
     p.add_argument("--lengths", default="641,4096,32768", help="comma list of cache lengths S")
     p.add_argument("--batch", default="1,2", help="comma list of batch sizes B")
     p.add_argument("--splits", default="128,512", help="comma list of slots per program")
+    p.add_argument("--heads-per-program", default="1,8", help="comma list of query heads per program")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--calls", type=int, default=10)
     p.add_argument("--interpret", action="store_true", help="CPU smoke run: Pallas interpreter, small shapes")
@@ -39,7 +41,7 @@ def main(argv=None):
     warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
     hq, hkv, dh = (8, 2, 32) if a.interpret else (32, 4, 128)
     if a.interpret:
-        a.lengths, a.batch, a.splits, a.reps, a.calls = "100", "2", "64", 2, 1
+        a.lengths, a.batch, a.splits, a.heads_per_program, a.reps, a.calls = "100", "2", "64", "1,4", 2, 1
     scale = float(1 / np.sqrt(dh))
     rng = np.random.default_rng(0)
     rows = []
@@ -56,13 +58,15 @@ def main(argv=None):
             us = median_us(ref_fn, [(q, k, v)], a.reps, a.calls)
             row = dict(S=S, B=B, reference_us=round(us, 1), reference_GBps=round(cache_bytes / us / 1e3, 1))
             for split in map(int, a.splits.split(",")):
-                fn = jax.jit(lambda q, k, v, split=split: decode_attention(q, k, v, vis, scale, split=split,
-                                                                           interpret=a.interpret))
-                got = np.asarray(fn(q, k, v))
-                us = median_us(fn, [(q, k, v)], a.reps, a.calls)
-                row[f"split{split}_us"] = round(us, 1)
-                row[f"split{split}_GBps"] = round(cache_bytes / us / 1e3, 1)
-                row[f"split{split}_max_diff"] = float(np.abs(got - ref).max())
+                for per in map(int, a.heads_per_program.split(",")):
+                    fn = jax.jit(lambda q, k, v, split=split, per=per: decode_attention(
+                        q, k, v, vis, scale, split=split, heads_per_program=per, interpret=a.interpret))
+                    got = np.asarray(fn(q, k, v))
+                    us = median_us(fn, [(q, k, v)], a.reps, a.calls)
+                    key = f"split{split}_p{per}"  # slots and query heads per program
+                    row[f"{key}_us"] = round(us, 1)
+                    row[f"{key}_GBps"] = round(cache_bytes / us / 1e3, 1)
+                    row[f"{key}_max_diff"] = float(np.abs(got - ref).max())
             print(json.dumps(row), flush=True)
             rows.append(row)
     print(json.dumps(dict(bench="decode_attention", device=str(jax.devices()[0].device_kind), jax=jax.__version__,

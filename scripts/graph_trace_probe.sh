@@ -42,6 +42,7 @@ for v in graph opbyop dump; do
   echo "$v: rc $? at ${SECONDS}s"
   if [ -f /tmp/gtp-$v/profile.json ]; then
     cp /tmp/gtp-$v/profile.json "$OUT/profile-$v.json"
+    [ -f /tmp/gtp-$v/events.json.gz ] && cp /tmp/gtp-$v/events.json.gz "$OUT/events-$v.json.gz"
     python3 - /tmp/gtp-$v/profile.json <<'PY'
 import json, sys
 d = json.load(open(sys.argv[1]))

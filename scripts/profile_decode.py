@@ -13,6 +13,7 @@ whose device events are summed by kernel name. Prints one JSON line:
                    (steps split at idle gaps over --step-gap-us): busy time plus the gaps between
                    kernels, which inside a CUDA graph are the graph's per-node cost
   timeline         the middle traced step's kernels in order: name, start offset and duration (us)
+Beside profile.json, events.json.gz keeps every event of the trace (host threads too), compact.
   kernels          the top --top kernels: name, calls and microseconds per step, share of busy time
 
   python scripts/profile_decode.py --model M.gguf --kernels pallas --out prof/   # GPU
@@ -92,6 +93,20 @@ def device_events(trace_dir: Path) -> list[dict]:
     print(f"device threads: {sorted(set(threads.values()))}", file=sys.stderr)
     return [e for e in events if e.get("ph") == "X" and e["pid"] in gpu
             and (not streams or (e["pid"], e.get("tid")) in streams)]
+
+
+def save_events(trace_dir: Path, dest: Path) -> None:
+    """Every complete event of the newest trace (host threads too), compact, for reading offline:
+    {"threads": {"pid/tid": "process / thread"}, "events": [[name, "pid/tid", ts us, dur us]]}."""
+    files = sorted(trace_dir.rglob("*.trace.json.gz"), key=lambda p: p.stat().st_mtime)
+    with gzip.open(files[-1], "rt") as f:
+        events = json.load(f)["traceEvents"]
+    procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    threads = {f"{e['pid']}/{e['tid']}": f"{procs.get(e['pid'], e['pid'])} / {e['args']['name']}" for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    rows = [[e["name"][:100], f"{e['pid']}/{e.get('tid')}", e["ts"], e.get("dur", 0)] for e in events if e.get("ph") == "X"]
+    with gzip.open(dest, "wt") as f:
+        json.dump(dict(threads=threads, events=rows), f)
 
 
 def summarize(events: list[dict], steps: int, top: int) -> tuple[float, list[dict]]:
@@ -176,6 +191,7 @@ def main(argv=None):
         trace_dir = a.out / "trace"
         with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
             timed_steps(engine, seq, a.steps)
+        save_events(trace_dir, a.out / "events.json.gz")
         events = device_events(trace_dir)
         busy_ms, kernels = summarize(events, a.steps, a.top)
         steps = split_steps(events, a.step_gap_us)

@@ -356,12 +356,14 @@ def test_decoded_row_dots_against_dequantized_rows(qtype):
                 assert abs(res[m] - wd[r] @ v) <= tol, (act, r, m)
 
 
-@pytest.mark.parametrize("preset", [None, {"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "10000"}])
-def test_openmp_workers_wait_passively_unless_the_user_says(preset):
-    """OpenMP reads its wait policy once, when Numba starts it: importing bloomery_jax sets
-    PASSIVE first (spinning workers starved the FFI bridge's host calls on the GPU machine), and a
-    policy the user set is kept. libgomp's own account of its settings (OMP_DISPLAY_ENV) says
-    what it read (a passive policy is a spin count of 0; unset, it spins 300,000 times)."""
+@pytest.mark.parametrize("preset, spins", [(None, "10000"), ({"OMP_WAIT_POLICY": "PASSIVE"}, "0"),
+                                           ({"GOMP_SPINCOUNT": "1000"}, "1000")])
+def test_openmp_workers_spin_briefly_unless_the_user_says(preset, spins):
+    """OpenMP reads its wait policy once, when Numba starts it: importing bloomery_jax sets a
+    10,000-spin wait first (long-spinning workers starved the FFI bridge's host calls on the GPU
+    machine; sleeping ones paid to wake between a call's regions), and a policy the user set is
+    kept. libgomp's own account of its settings (OMP_DISPLAY_ENV) says what it read (unset, it
+    spins 300,000 times; a passive policy is a spin count of 0)."""
     import os
     import subprocess
     import sys
@@ -374,7 +376,22 @@ def test_openmp_workers_wait_passively_unless_the_user_says(preset):
     assert res.returncode == 0, res.stderr[-2000:]
     if res.stdout.strip() != "omp":
         pytest.skip(f"Numba's threading layer here is {res.stdout.strip()}, not OpenMP")
-    if preset is None:
-        assert "GOMP_SPINCOUNT = '0'" in res.stderr, res.stderr[-2000:]
-    for name, value in (preset or {}).items():
-        assert f"{name} = '{value}'" in res.stderr, res.stderr[-2000:]
+    assert f"GOMP_SPINCOUNT = '{spins}'" in res.stderr, res.stderr[-2000:]
+
+
+def test_host_threads_leave_cores_to_the_gpu_waiters(monkeypatch):
+    """Unasked, the host experts take the usable cores but two (the threads that wait on the GPU
+    need them), at least one; a NUMBA_NUM_THREADS the user set wins."""
+    import numba
+
+    from bloomery_jax.host import bridge
+
+    monkeypatch.delenv("NUMBA_NUM_THREADS", raising=False)
+    monkeypatch.setattr(numba.config, "NUMBA_NUM_THREADS", 64)
+    for cores, expected in ((16, 14), (3, 1), (2, 1), (1, 1)):
+        monkeypatch.setattr(bridge.os, "sched_getaffinity", lambda pid, n=cores: set(range(n)))
+        assert bridge.default_threads() == expected
+    monkeypatch.setenv("NUMBA_NUM_THREADS", "5")
+    monkeypatch.setattr(numba.config, "NUMBA_NUM_THREADS", 5)
+    assert bridge.default_threads() == 5
+    assert bridge.HostBridge({}, threads=3).threads == 3

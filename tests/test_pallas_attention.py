@@ -42,10 +42,13 @@ def reference(q, k, v, visible, scale):
 def test_matches_reference(B, S, Hq, Hkv, Dh, visible, block_s, split):
     q, k, v = cache(B, S, Hq, Hkv, Dh)
     vis = jnp.asarray(visible, jnp.int32)
-    got = decode_attention(q, k, v, vis, 0.125, block_s=block_s, split=split, interpret=True)
     want = reference(q, k, v, vis, 0.125)
-    assert got.shape == (B, Hq, Dh) and got.dtype == jnp.float32
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=ATOL)
+    G = Hq // Hkv
+    for per_program in sorted({1, 2 if G % 2 == 0 else 1, G}):  # one head a program, or several of a kv head
+        got = decode_attention(q, k, v, vis, 0.125, block_s=block_s, split=split, heads_per_program=per_program,
+                               interpret=True)
+        assert got.shape == (B, Hq, Dh) and got.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=ATOL, err_msg=f"P={per_program}")
 
 
 def test_slots_past_visible_are_ignored():
@@ -99,6 +102,8 @@ def test_bad_inputs_raise():
                          interpret=True)
     with pytest.raises(ValueError, match="not a multiple of block_s"):
         decode_attention(q, k, v, jnp.asarray([3], jnp.int32), 0.25, block_s=16, split=24, interpret=True)
+    with pytest.raises(ValueError, match="heads_per_program 3 must divide"):
+        decode_attention(q, k, v, jnp.asarray([3], jnp.int32), 0.25, heads_per_program=3, interpret=True)
 
 
 @pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")

@@ -70,13 +70,13 @@ def test_lfu_keeps_the_hottest_subject_to_hysteresis():
     c = counts_of([[5, 1, 3, 0]])
     resident = np.array([False, True, False, True])
     chosen = lambda pol: np.flatnonzero(pol.desired(c, 0, resident, 2)).tolist()  # noqa: E731
-    assert chosen(LFU(hysteresis=1.0)) == [0, 2]
-    assert chosen(LFU(hysteresis=2.0)) == [0, 2]  # 5 > 2*0 and 3 > 2*1
-    assert chosen(LFU(hysteresis=4.0)) == [0, 1]  # 3 > 4*1 fails: only the first pair swaps
+    assert chosen(LFU(hysteresis=1.0, margin=0.0)) == [0, 2]
+    assert chosen(LFU(hysteresis=2.0, margin=0.0)) == [0, 2]  # 5 > 2*0 and 3 > 2*1
+    assert chosen(LFU(hysteresis=4.0, margin=0.0)) == [0, 1]  # 3 > 4*1 fails: only the first pair swaps
     assert chosen(LFU(hysteresis=1.0, margin=5.0)) == [1, 3]  # nothing clears the margin
     # ties never swap, and among equal host experts the lower id comes in first
     tie = counts_of([[2, 2, 2, 2]])
-    assert np.flatnonzero(LFU(hysteresis=1.0).desired(tie, 0, resident, 2)).tolist() == [1, 3]
+    assert np.flatnonzero(LFU(hysteresis=1.0, margin=0.0).desired(tie, 0, resident, 2)).tolist() == [1, 3]
     assert np.flatnonzero(LFU().desired(counts_of([[1, 1, 0, 0]]), 0, np.zeros(4, bool), 1)).tolist() == [0]
 
 
@@ -84,7 +84,7 @@ def test_hysteresis_stops_thrash_on_alternating_experts():
     steps = one_hot_steps([[0], [1]] * 10)  # L=1: expert 0, 1, 0, 1, ...
     swaps = {}
     for h in (1.0, 1.25):
-        ctrl = ResidencyController(np.array([[-1, -1, 0]]), LFU(decay=0.9, hysteresis=h))
+        ctrl = ResidencyController(np.array([[-1, -1, 0]]), LFU(decay=0.9, hysteresis=h, margin=0.0))
         for s in steps:
             ctrl.observe(s)
             ctrl.step_plan()
@@ -176,7 +176,7 @@ def test_apply_swaps_is_pure_and_checks():
 def test_controller_served_fraction_on_a_hand_trace():
     # layer 0: one slot, expert 0 on it; layer 1: every expert on the card (never swaps)
     slot_of = np.array([[0, -1, -1, -1], [0, 1, 2, 3]])
-    ctrl = ResidencyController(slot_of, LFU(decay=1.0, hysteresis=1.0), expert_bytes=[100, 7], window=3)
+    ctrl = ResidencyController(slot_of, LFU(decay=1.0, hysteresis=1.0, margin=0.0), expert_bytes=[100, 7], window=3)
     per_step = []
     for s in one_hot_steps([[1, 0], [1, 1], [2, 2], [1, 3]]):
         per_step.append(ctrl.observe(s))

@@ -49,7 +49,7 @@ def run(path, residency: str, kernels: str = "reference"):
     model = load_model(path, place=FirstPerLayer(SHAPE["n_experts"] // 4), kernels=kernels)
     live = None
     if residency != "off":
-        live = LiveResidency.for_model(model, LFU(decay=0.9, hysteresis=1.0), prompt_streaming=residency == "stream")
+        live = LiveResidency.for_model(model, LFU(decay=0.9, hysteresis=1.0, margin=0.0), prompt_streaming=residency == "stream")
     eng = Engine(model, n_slots=2, max_context=64, ubatch=16, min_chunk=16, residency=live)
     eng.warmup()
     compiled = (_prefill._cache_size(), _decode._cache_size())

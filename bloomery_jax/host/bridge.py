@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import threading
 import time
 
@@ -30,6 +31,24 @@ import jax.numpy as jnp
 import numpy as np
 
 from .swiglu import HostExpertLayer, host_moe_swiglu
+
+
+# Cores the host experts leave to the threads that wait on the GPU (the step's, the CUDA driver's,
+# XLA's): on the H200 host, n-cpu-moe=36 decode through the FFI bridge ran 24.1 tok/s with 14
+# passive workers against 21.3 with 16, and 28.1 against 10.4 with a 10,000-spin wait
+# (benchmarks/gpu_2026-12-04-s9).
+FREE_CORES = 2
+
+
+def default_threads() -> int:
+    """Numba threads for the host experts when none are asked for: ``NUMBA_NUM_THREADS`` where
+    the user set it, else the usable cores but ``FREE_CORES`` (at least one)."""
+    import numba
+
+    if "NUMBA_NUM_THREADS" in os.environ:
+        return numba.config.NUMBA_NUM_THREADS
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(numba.config.NUMBA_NUM_THREADS, cores - FREE_CORES))
 
 
 @dataclasses.dataclass
@@ -45,7 +64,7 @@ class HostBridge:
 
     Args:
       layers: MoE layer index → its three expert tensors on the host.
-      threads: Numba threads for the host kernels (None = Numba's default).
+      threads: Numba threads for the host kernels (None = :func:`default_threads`).
     """
 
     # Steps branch around ``moe`` when none of their pairs is on the host: a callback synchronises
@@ -54,7 +73,7 @@ class HostBridge:
 
     def __init__(self, layers: dict[int, HostExpertLayer], threads: int | None = None):
         self.layers = dict(layers)
-        self.threads = threads
+        self.threads = int(threads) if threads is not None else default_threads()
         self._stats = BridgeStats()
         self._lock = threading.Lock()
 
@@ -98,10 +117,9 @@ class HostBridge:
         return np.asarray(t.data)
 
     def _run(self, i, h, experts, weights, on_host):
-        if self.threads is not None:
-            import numba
+        import numba
 
-            numba.set_num_threads(self.threads)
+        numba.set_num_threads(self.threads)
         x = np.asarray(h, np.float32)
         experts = np.asarray(experts, np.int32)
         on_host = np.asarray(on_host, bool)

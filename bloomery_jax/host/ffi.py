@@ -161,8 +161,6 @@ class FfiHostBridge(HostBridge):
     skip_empty_calls = False
 
     def __init__(self, layers: dict[int, HostExpertLayer], threads: int | None = None):
-        import numba
-
         from .entry import layer_entry
 
         self._lib = library()
@@ -170,8 +168,7 @@ class FfiHostBridge(HostBridge):
         if _on_cuda():
             layers = {i: self._pinned_layer(layer) for i, layer in layers.items()}
         super().__init__(layers, threads)
-        n_threads = int(threads) if threads is not None else numba.config.NUMBA_NUM_THREADS
-        entry = dict(FN=layer_entry.address, SET_THREADS=_numba_set_threads(), THREADS=n_threads)
+        entry = dict(FN=layer_entry.address, SET_THREADS=_numba_set_threads(), THREADS=self.threads)
         self._records = {i: self._record(layer, entry) for i, layer in self.layers.items()}
         self._slots = dict(zip(self._records, _SLOTS.take(len(self._records))))
         for i, s in self._slots.items():

@@ -75,7 +75,8 @@ Threads: Numba's OpenMP layer spins at the end of each parallel region. When ano
 holds a core, a 2-thread call took 45-56 ms instead of 3-5 (a thread descheduled at a barrier);
 ``OMP_WAIT_POLICY=passive`` or ``NUMBA_THREADING_LAYER=workqueue`` (set before Numba starts)
 brought it back to 4-6 ms; dynamic chunks (``chunksize`` > 0) helped in one run and not in the
-next, so the default stays static. Give the kernels cores of their own.
+next, so the default stays static. Give the kernels cores of their own: importing bloomery_jax
+sets a 10,000-spin wait, and the bridges leave two cores free (``bridge.default_threads``).
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ DEFAULT_ACT = "q8"
 ROWS_PER_ITEM = 16  # rows of one expert per parallel work item
 # Activation rows with fewer elements than this are prepared (rounded to 8 bits, summed) on the
 # calling thread: a decode call's 1 x 2048 inputs and 8 x 768 hidden rows take microseconds,
-# less than waking the workers for a parallel region (they sleep between regions: OMP_WAIT_POLICY).
+# less than a parallel region's fork and join (and than waking the workers, where they sleep).
 SERIAL_PREP_MAX = 16384
 CHUNKSIZE = 0  # see host_moe_swiglu (Numba's default, static)
 # An expert with at least this many tokens decodes each row once for all of them (see

@@ -72,7 +72,7 @@ def load_model(path: str | os.PathLike, *, device=None, place="card", reserve_by
       device: a jax Device; None = the default device.
       place: a placement rule string (``placement.parse_rule``) or rule object.
       reserve_bytes: card bytes the caller needs besides the weights (KV cache), for budget rules.
-      host_threads: Numba threads of the host experts (None = Numba's default).
+      host_threads: Numba threads of the host experts (None = ``host.bridge.default_threads``).
       host_act: host experts' activations, "q8" (rounded to 8 bits as llama.cpp's CPU backend does,
         integer block sums) or "f32"; None = ``host.DEFAULT_ACT``.
       weights: card weights as the file's "blocks" (dequantized inside every step), as "f32"

@@ -151,7 +151,12 @@ class LFU(Policy):
 
     decay: float = 0.95
     hysteresis: float = 1.25
-    margin: float = 0.0
+    # Evidence a swap needs beyond the ratio: decayed counts of a few calls are mostly noise.
+    # Replaying the synthetic 48-layer trace at a quarter budget (scripts/placement_sweep.py
+    # --synthetic --budgets 0.25), margin 0 swapped 24.8 experts a decode step for 0.647 of the
+    # routed calls on the card, margin 4 swapped 0.9 for 0.639; on the H200 that churn (68 swaps
+    # a step, ~200 MB) held decode at 6.0 tok/s against 18.7 static (benchmarks/gpu_2026-12-04-s9).
+    margin: float = 4.0
 
     def __post_init__(self):
         if not 0.0 < self.decay <= 1.0:
