@@ -9,7 +9,9 @@ For each ``--parallel`` P, P sequences of random prompt tokens run together on o
 sequence; the rate counts all sequences' tokens together. With ``--depth D`` each sequence first
 holds D tokens in its cache (untimed). Each test runs once as a warm-up, then ``--reps`` times;
 a record gives the median and the min-max of tokens/s. Decoding is greedy (the sampler's cheap
-branch; llama-bench does not sample at all).
+branch; llama-bench does not sample at all). ``--decode-block N`` runs the decode N steps a
+device call (``Engine.decode_block``; ``generate --decode-block``, ``RuntimeSettings.decode_block``
+for the server).
 
 Every record carries a source witness (bloomery_jax.witness): git commit, number of dirty
 tracked files (unknown, never 0, when git cannot tell), package versions, device. Loading and
@@ -66,6 +68,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--attention", choices=ATTENTION, default="xla", help=ATTENTION_HELP)
     p.add_argument("--bridge", choices=BRIDGES, default="auto", help=BRIDGE_HELP)
     p.add_argument("--routing", choices=ROUTING, default="xla", help=ROUTING_HELP)
+    p.add_argument("--decode-block", type=int, default=1,
+                   help="decode steps per device call (Engine.decode_block; default 1)")
     add_residency_args(p)
     p.add_argument("--json", action="store_true", help="one JSON record per line instead of a table")
     p.add_argument("--no-compile-cache", action="store_true", help="do not use the persistent compilation cache")
@@ -85,15 +89,19 @@ def _timed_prefill(engine, seqs) -> float:
     return time.perf_counter() - t0
 
 
-def _timed_decode(engine, seqs, n: int) -> tuple[float, list[tuple[int, int]]]:
-    """Seconds of ``n`` decode steps, and each step's (card-served, routed) expert calls."""
-    steps = []
+def _timed_decode(engine, seqs, n: int, block: int = 1) -> tuple[float, list[tuple[int, int]]]:
+    """Seconds of ``n`` decode steps, ``block`` steps a device call (the rest one a call), and
+    each call's (card-served, routed) expert calls."""
+    calls = []
     t0 = time.perf_counter()
-    for _ in range(n):
+    done = 0
+    while done < n:
+        m = block if n - done >= block else 1
         before = engine.card_calls, engine.routed_calls
-        engine.decode(seqs)  # reads the sampled tokens back: each step is synchronous
-        steps.append((engine.card_calls - before[0], engine.routed_calls - before[1]))
-    return time.perf_counter() - t0, steps
+        engine.decode_block(seqs, m)  # reads the sampled tokens back: each call is synchronous
+        calls.append((engine.card_calls - before[0], engine.routed_calls - before[1]))
+        done += m
+    return time.perf_counter() - t0, calls
 
 
 def _served(steps: list[tuple[int, int]]) -> float:
@@ -121,7 +129,8 @@ def run_parallel(model, args, parallel: int, progress, rng) -> tuple[list[dict],
                     kv_dtype=args.kv_dtype, residency=residency_from_args(model, args),
                     routing_trace=make_trace(model, args))
     compile_s = engine.warmup(progress.update, chunks=_chunks_used(engine, depth, max(p, 1)),
-                              buckets=[bucket_for(engine.buckets, parallel)])
+                              buckets=[bucket_for(engine.buckets, parallel)],
+                              decode_block=args.decode_block)
     progress.done(f"parallel {parallel}: compiled in {compile_s:.2f} s")
     greedy = SamplingParams(temperature=0.0)
     pp, tg, edges = [], [], []
@@ -137,11 +146,12 @@ def run_parallel(model, args, parallel: int, progress, rng) -> tuple[list[dict],
         else:
             _timed_prefill(engine, seqs)
         if n > 0:
-            t, steps = _timed_decode(engine, seqs, n)
+            t, calls = _timed_decode(engine, seqs, n, args.decode_block)
             if rep:
                 tg.append(parallel * n / t)
                 if engine.routed_calls:  # host experts: how much of this decode the card served, early and late
-                    edges.append((_served(steps[:16]), _served(steps[-16:])))
+                    edge = -(-16 // args.decode_block)  # the calls holding the first / last 16 steps
+                    edges.append((_served(calls[:edge]), _served(calls[-edge:])))
         for s in seqs:
             engine.release(s)
     progress.done(f"parallel {parallel}: {args.reps} repetitions done")
@@ -177,6 +187,8 @@ def run(argv: list[str] | None = None, out=None, err=None) -> list[dict]:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.reps < 1:
         raise ConfigError(f"--reps must be >= 1, got {args.reps}")
+    if args.decode_block < 1:
+        raise ConfigError(f"--decode-block must be >= 1, got {args.decode_block}")
     if args.n_prompt == 0 and args.n_gen == 0:
         raise ConfigError("nothing to measure: -p and -n are both 0")
     if not args.no_compile_cache:
@@ -196,7 +208,8 @@ def run(argv: list[str] | None = None, out=None, err=None) -> list[dict]:
         for r in recs:
             r.update(model=str(model.path), architecture=model.gguf.architecture, model_bytes=size,
                      ubatch=args.ubatch, kv_dtype=args.kv_dtype, kernels=kernels, attention=args.attention,
-                     bridge=bridge, routing=args.routing, weights=args.weights, reps=args.reps, load_s=load_s,
+                     bridge=bridge, routing=args.routing, weights=args.weights, decode_block=args.decode_block,
+                     reps=args.reps, load_s=load_s,
                      compile_s=compile_s, witness=witness)
             if args.json:  # as each finishes: a run cut short still leaves what it measured
                 out.write(json.dumps(r) + "\n")

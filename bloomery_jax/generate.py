@@ -54,6 +54,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--attention", choices=ATTENTION, default="xla", help=ATTENTION_HELP)
     p.add_argument("--bridge", choices=BRIDGES, default="auto", help=BRIDGE_HELP)
     p.add_argument("--routing", choices=ROUTING, default="xla", help=ROUTING_HELP)
+    p.add_argument("--decode-block", type=int, default=1,
+                   help="decode steps per device call (default 1): the host's per-call work is paid once for "
+                        "that many tokens; tokens after a stop are computed and dropped")
     add_residency_args(p)
     p.add_argument("--json", action="store_true", help="print token ids and timings as JSON")
     p.add_argument("--no-compile-cache", action="store_true", help="do not use the persistent compilation cache")
@@ -107,6 +110,8 @@ def run(argv: list[str] | None = None, out=None, err=None) -> dict:
     args = _parser().parse_args(argv)
     if args.n_predict < 1:
         raise ConfigError(f"-n must be >= 1, got {args.n_predict}")
+    if args.decode_block < 1:
+        raise ConfigError(f"--decode-block must be >= 1, got {args.decode_block}")
     if not args.no_compile_cache:
         enable_compile_cache()
     progress = Progress(err, quiet=args.quiet)
@@ -122,11 +127,11 @@ def run(argv: list[str] | None = None, out=None, err=None) -> dict:
         seed=args.seed if args.seed is not None else random.SystemRandom().getrandbits(63))
     engine = Engine(model, n_slots=1, max_context=ctx, ubatch=args.ubatch,
                     residency=residency_from_args(model, args), routing_trace=make_trace(model, args))
-    sched = Scheduler(engine, detokenizer=tok.detokenizer)
+    sched = Scheduler(engine, detokenizer=tok.detokenizer, decode_block=args.decode_block)
     stop = StopConditions.build(max_tokens=args.n_predict, stop_tokens=tok.eog_ids, stop_strings=args.stop)
     req = sched.submit(ids, params, stop)  # validates before compiling
     compile_s = engine.warmup(progress.update, chunks=sorted(set(engine.prefill_plan(len(ids)))),
-                              buckets=engine.buckets[:1])
+                              buckets=engine.buckets[:1], decode_block=args.decode_block)
     progress.done(f"compiled in {compile_s:.2f} s")
     pieces = []
     for ev in sched.drive(req):

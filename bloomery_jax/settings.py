@@ -37,6 +37,7 @@ class RuntimeSettings:
     attention: str = "xla"  # decode attention: xla (jnp) | pallas (kernel on the cache buffer)
     bridge: str = "auto"  # host experts: callback (jax.pure_callback) | ffi (XLA FFI custom call) | auto
     routing: str = "xla"  # MoE routing: xla (jnp softmax + top-k) | pallas (one kernel)
+    decode_block: int = 1  # decode steps per device call while only generating (engine.scheduler)
 
     def __post_init__(self):
         if self.kernels not in KERNELS:
@@ -51,7 +52,7 @@ class RuntimeSettings:
             raise ConfigError(f"RuntimeSettings.bridge must be one of {BRIDGES}, got {self.bridge!r}")
         if self.kv_dtype not in KV_DTYPES:
             raise ConfigError(f"RuntimeSettings.kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
-        for name in ("max_context", "ubatch", "parallel"):
+        for name in ("max_context", "ubatch", "parallel", "decode_block"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"RuntimeSettings.{name} must be a positive integer, got {value!r}")

@@ -40,6 +40,13 @@ def test_records_for_each_parallel_count(model_path):
         assert w["packages"]["jax"] and w["device"]["platform"] == "cpu"
 
 
+def test_decode_block_record(model_path):
+    """-n 11 in blocks of 4: two blocks and three single steps, recorded with the block size."""
+    recs = bench.run(["--model", model_path, "-p", "8", "-n", "11", "--reps", "1", "--decode-block", "4", "--json",
+                      *COMMON], out=io.StringIO(), err=io.StringIO())
+    assert [(r["test"], r["decode_block"]) for r in recs] == [("pp8", 4), ("tg11", 4)] and recs[1]["tps_min"] > 0
+
+
 def test_depth_and_table(model_path):
     out = io.StringIO()
     recs = bench.run(["--model", model_path, "-p", "13", "-n", "40", "--depth", "10", "--reps", "1", *COMMON],
@@ -55,6 +62,7 @@ def test_depth_and_table(model_path):
     (["--parallel", "1,x"], "comma-separated"),
     (["--reps", "0"], "--reps"),
     (["--depth", "-1"], "--depth"),
+    (["--decode-block", "0"], "--decode-block"),
 ])
 def test_errors_are_one_line(argv, message, model_path, capsys):
     assert bench.main(["--model", model_path, *argv, *COMMON]) == 1

@@ -203,3 +203,52 @@ def test_decode_outputs_keep_their_addresses(fresh):
     assert len(addresses[0]) >= 5 and all(a == addresses[0] for a in addresses[1:]), addresses
     assert _decode._cache_size() == compiled
     eng.rollback(seq, len(seq.tokens))  # the slot's length back to what the engine knows
+
+
+def test_decode_block_equals_single_steps(fresh):
+    """n decode steps in one call (a scan on the device, each step's token fed to the next) give
+    the tokens, log-probabilities, cache and sampler state of n decode calls: greedy and sampled
+    rows beside a padding row (bucket 4, three live)."""
+    eng = fresh
+    settings = [GREEDY, SamplingParams(temperature=0.8, top_k=40, seed=5, n_probs=3),
+                SamplingParams(temperature=1.1, top_p=0.9, seed=9, repetition_penalty=1.1)]
+
+    def run(block: int):
+        seqs = [eng.add(prompt(40 + i, 7 + 3 * i), p) for i, p in enumerate(settings)]
+        for s in seqs:
+            run_prefill(eng, s)
+        steps = []
+        for _ in range(6 // block):
+            steps += eng.decode_block(seqs, block) if block > 1 else [eng.decode(seqs)]
+        state = ([list(s.tokens) for s in seqs], [slot_kv(eng, s.slot, s.n_cached) for s in seqs],
+                 jax.device_get(eng.sampler), eng.slot_lengths().copy())
+        for s in seqs:
+            eng.release(s)
+        return steps, state
+
+    single, (tokens1, kv1, sampler1, lengths1) = run(1)
+    for block in (3, 6):
+        steps, (tokens, kv, sampler, lengths) = run(block)
+        assert tokens == tokens1 and np.array_equal(lengths, lengths1)
+        assert [[x.token for x in step] for step in steps] == [[x.token for x in step] for step in single]
+        for step, want in zip(steps, single):
+            for got, ref in zip(step, want):
+                np.testing.assert_allclose(got.logprob, ref.logprob, rtol=1e-6, atol=1e-6)
+                assert [i for i, _ in got.top] == [i for i, _ in ref.top]
+        for (k, v), (k1, v1) in zip(kv, kv1):
+            np.testing.assert_allclose(k, k1, rtol=1e-6, atol=1e-6)
+            np.testing.assert_allclose(v, v1, rtol=1e-6, atol=1e-6)
+        for got, ref in zip(sampler, sampler1):
+            np.testing.assert_array_equal(got, ref)  # counts, step indices: integers
+
+
+def test_decode_block_needs_room_for_every_step(fresh):
+    eng = fresh
+    from bloomery_jax.errors import ConfigError
+
+    seq = eng.add(prompt(6, S - 4), GREEDY)
+    run_prefill(eng, seq)  # the prompt cached, its sampled token pending: room for 4 more positions
+    assert seq.n_cached == S - 4 and seq.pending == 1
+    with pytest.raises(ConfigError, match="no room for 5 more"):
+        eng.decode_block([seq], 5)
+    assert [len(step) for step in eng.decode_block([seq], 4)] == [1] * 4 and seq.n_cached == S

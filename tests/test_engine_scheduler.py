@@ -35,10 +35,12 @@ def tokenizer(model):
     return Tokenizer.from_gguf(model.gguf)
 
 
-@pytest.fixture
-def sched(model, tokenizer):
+@pytest.fixture(params=[1, 3], ids=["step", "block3"])
+def sched(model, tokenizer, request):
+    """One decode step a call, or blocks of three while only generating (the tokens, stops and
+    finish reasons must not change)."""
     return Scheduler(Engine(model, n_slots=4, max_context=S, ubatch=16, min_chunk=16),
-                     detokenizer=tokenizer.detokenizer)
+                     detokenizer=tokenizer.detokenizer, decode_block=request.param)
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -102,7 +104,7 @@ def test_stop_token_stop_string_and_context_full(sched, tokenizer):
 
 
 def test_cancel_frees_the_slot_and_others_continue(sched):
-    a = sched.submit(prompt(6, 5), GREEDY, StopConditions.build(max_tokens=6))
+    a = sched.submit(prompt(6, 5), GREEDY, StopConditions.build(max_tokens=12))
     b = sched.submit(prompt(7, 5), GREEDY, StopConditions.build(max_tokens=20))
     sched.step()
     sched.step()
@@ -110,8 +112,8 @@ def test_cancel_frees_the_slot_and_others_continue(sched):
     sched.step()
     assert b.finish_reason == "cancelled" and b.seq is None and len(sched.engine.live) == 1
     sched.run_until_idle()
-    assert a.finish_reason == "length" and len(a.tokens) == 6
-    assert a.tokens == alone(sched, prompt(6, 5), GREEDY, 6)
+    assert a.finish_reason == "length" and len(a.tokens) == 12
+    assert a.tokens == alone(sched, prompt(6, 5), GREEDY, 12)
 
 
 def test_bad_requests_raise_at_submit_and_queue_bound(model):

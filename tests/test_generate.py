@@ -72,6 +72,10 @@ def test_streams_text_and_ends_with_rates(model_path):
     again = generate.run(["--model", model_path, "--prompt", "Hello", "-n", "6", "--seed", "7", "--top-k", "5",
                           "--json", *COMMON], out=io.StringIO(), err=io.StringIO())
     assert again["tokens"] == rec["tokens"]
+    # decoded four steps a device call: the same tokens and text (-n 6: one block, then single steps)
+    blocks = generate.run(["--model", model_path, "--prompt", "Hello", "-n", "6", "--seed", "7", "--top-k", "5",
+                           "--decode-block", "4", "--json", *COMMON], out=io.StringIO(), err=io.StringIO())
+    assert blocks["tokens"] == rec["tokens"] and blocks["text"] == rec["text"]
 
 
 def test_chat_renders_the_template(model_path):

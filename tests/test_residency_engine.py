@@ -92,3 +92,23 @@ def test_residency_with_pallas_kernels(path):
     tokens_pallas, _, live = run(path, "stream", kernels="pallas")
     assert live.controller.swaps_total > 0
     assert tokens_pallas == tokens_off
+
+
+@pytest.mark.parametrize("bridge", ["callback", "ffi"])
+def test_decode_block_with_host_experts(path, bridge):
+    """A block of decode steps in one call runs the host experts inside the device loop, through
+    either bridge: the same greedy tokens and card-served counters as one decode call a step."""
+    model = load_model(path, place=FirstPerLayer(SHAPE["n_experts"] // 4), bridge=bridge)
+    results = []
+    for block in (1, 5):
+        eng = Engine(model, n_slots=2, max_context=64, ubatch=16, min_chunk=16)
+        rng = np.random.default_rng(0)
+        seqs = [eng.add(rng.integers(0, SHAPE["n_vocab"], n).tolist(), GREEDY) for n in (21, 9)]
+        for s in seqs:
+            while s.pending > 1:
+                eng.prefill(s)
+        for _ in range(N_NEW // block):
+            eng.decode_block(seqs, block)
+        results.append(([s.tokens for s in seqs], eng.card_calls, eng.routed_calls))
+    assert results[1] == results[0]
+    assert 0 < results[0][1] < results[0][2]  # some calls on the card, some on the host

@@ -211,18 +211,7 @@ class Engine:
         """One token for each sequence (each must have exactly one pending token)."""
         if not seqs:
             return []
-        b = bucket_for(self.buckets, len(self.live))
-        tokens = np.zeros(b, np.int32)
-        positions = np.full(b, self.max_context, np.int32)
-        active = np.zeros(b, bool)
-        for s in seqs:
-            if s.pending != 1:
-                raise ValueError(f"decode needs exactly one pending token (slot {s.slot} has {s.pending})")
-            if s.n_cached >= self.max_context:
-                raise ConfigError(f"sequence reached the context of {self.max_context} tokens")
-            tokens[s.slot] = s.tokens[-1]
-            positions[s.slot] = s.n_cached
-            active[s.slot] = True
+        tokens, positions, active = self._decode_inputs(seqs)
         self.cache, self.sampler, out, _, self.last_routing = self.steps.decode(
             self.params, self.cache, self.sampler, self.placement, tokens, positions, active)
         for s in seqs:
@@ -230,12 +219,62 @@ class Engine:
         self._observe_routing(active[:, None])
         return self._record(seqs, out, rows=[s.slot for s in seqs])
 
-    def _observe_routing(self, mask, seq: Sequence | None = None, prompt_done: bool = False) -> None:
-        """Count card-served calls; hand the routing to the trace recorder and the residency controller."""
+    def decode_block(self, seqs: Seq[Sequence], n: int) -> list[list[Sampled]]:
+        """n tokens for each sequence in one device call (``StepFunctions.decode_block``): the
+        same tokens, cache and sampler state as n :meth:`decode` calls, one list per step. The
+        caller drops what follows a sequence's stop. With adaptive residency, n decode calls
+        (experts are swapped between steps)."""
+        if n < 1:
+            raise ValueError(f"decode_block needs n >= 1, got {n}")
+        if n == 1 or self.residency is not None or not seqs:
+            return [self.decode(seqs) for _ in range(n)]
+        tokens, positions, active = self._decode_inputs(seqs, n)
+        self.cache, self.sampler, out, routing = self.steps.decode_block(
+            self.params, self.cache, self.sampler, self.placement, tokens, positions, active, n)
+        self.last_routing = jax.tree.map(lambda a: a[-1], routing)
+        experts = np.asarray(routing.experts) if self._routing_read() else None  # [n, L, b, 1, k]
+        host_out = jax.device_get(out)  # [n, b, ...] each
+        rows = [s.slot for s in seqs]
+        result = []
+        for j in range(n):
+            for s in seqs:
+                s.n_cached += 1
+            if experts is not None:
+                self._observe_routing(active[:, None], experts=experts[j])
+            result.append(self._sampled(seqs, [field[j] for field in host_out], rows))
+        return result
+
+    def _decode_inputs(self, seqs, n: int = 1):
+        """Bucket-shaped decode inputs (tokens, positions, active) for ``seqs``, each of which must
+        have one pending token and room for n more positions."""
+        b = bucket_for(self.buckets, len(self.live))
+        tokens = np.zeros(b, np.int32)
+        positions = np.full(b, self.max_context, np.int32)
+        active = np.zeros(b, bool)
+        for s in seqs:
+            if s.pending != 1:
+                raise ValueError(f"decode needs exactly one pending token (slot {s.slot} has {s.pending})")
+            if s.n_cached + n > self.max_context:
+                raise ConfigError(f"sequence at position {s.n_cached} has no room for {n} more token(s) in the "
+                                  f"context of {self.max_context}")
+            tokens[s.slot] = s.tokens[-1]
+            positions[s.slot] = s.n_cached
+            active[s.slot] = True
+        return tokens, positions, active
+
+    def _routing_read(self) -> bool:
+        """Does anything read a step's routing on the host (trace, residency, hybrid counters)?"""
         hybrid = self.placement is not None and self.placement.host is not None
-        if self.routing_trace is None and self.residency is None and not hybrid:
+        return self.routing_trace is not None or self.residency is not None or hybrid
+
+    def _observe_routing(self, mask, seq: Sequence | None = None, prompt_done: bool = False,
+                         experts=None) -> None:
+        """Count card-served calls; hand the routing (``experts`` [L, B, T, k], default the last
+        step's) to the trace recorder and the residency controller."""
+        if not self._routing_read():
             return
-        experts = np.asarray(self.last_routing.experts)  # [L, B, T, k]
+        hybrid = self.placement is not None and self.placement.host is not None
+        experts = np.asarray(self.last_routing.experts if experts is None else experts)  # [L, B, T, k]
         if hybrid:
             card, routed = card_calls(self.placement.slot_of, experts[:, np.asarray(mask, bool)])  # real tokens
             if streams_host_experts(np.size(mask)):  # the step streamed its host experts: all on the card
@@ -249,8 +288,13 @@ class Engine:
                                       prompt_done=prompt_done)
 
     def _record(self, seqs, out: sampling.SampleOut, rows=None) -> list[Sampled]:
-        token, logprob, top_ids, top_lp = jax.device_get(out)  # all four copies started before any wait
-        rows = rows if rows is not None else [0] * len(seqs)
+        # all four copies started before any wait
+        return self._sampled(seqs, jax.device_get(out), rows if rows is not None else [0] * len(seqs))
+
+    @staticmethod
+    def _sampled(seqs, host_out, rows) -> list[Sampled]:
+        """Append each sequence's token from a SampleOut on the host (fields [B, ...])."""
+        token, logprob, top_ids, top_lp = host_out
         result = []
         for s, r in zip(seqs, rows):
             t = int(token[r])
@@ -270,8 +314,9 @@ class Engine:
 
     # --- compilation ------------------------------------------------------------------------
     def warmup(self, progress: Callable[[str], None] | None = None, chunks: Seq[int] | None = None,
-               buckets: Seq[int] | None = None) -> float:
-        """Compile every prefill chunk length and decode bucket (or the ones given); returns seconds.
+               buckets: Seq[int] | None = None, decode_block: int = 1) -> float:
+        """Compile every prefill chunk length and decode bucket (or the ones given), and with
+        ``decode_block`` > 1 the block of that many decode steps of each bucket; returns seconds.
 
         Runs each step with padding rows only, so the cache and the sampler state are unchanged.
         """
@@ -279,7 +324,8 @@ class Engine:
         S = self.max_context
         chunks = self.chunks if chunks is None else chunks
         buckets = self.buckets if buckets is None else buckets
-        todo = [("prefill", T) for T in chunks] + [("decode", b) for b in buckets]
+        todo = ([("prefill", T) for T in chunks] + [("decode", b) for b in buckets]
+                + [("decode block", b) for b in (buckets if decode_block > 1 and self.residency is None else [])])
         for i, (kind, n) in enumerate(todo):
             if progress:
                 progress(f"compiling {kind} {n} ({i + 1}/{len(todo)}, {time.perf_counter() - t0:.1f} s)")
@@ -287,9 +333,13 @@ class Engine:
                 res = self.steps.prefill(self.params, self.cache, self.sampler, self.placement,
                                          np.zeros((1, n), np.int32), np.full((1, n), S, np.int32),
                                          np.int32(0), np.int32(0), np.bool_(False))
-            else:
+            elif kind == "decode":
                 res = self.steps.decode(self.params, self.cache, self.sampler, self.placement,
                                         np.zeros(n, np.int32), np.full(n, S, np.int32), np.zeros(n, bool))
+            else:
+                res = self.steps.decode_block(self.params, self.cache, self.sampler, self.placement,
+                                              np.zeros(n, np.int32), np.full(n, S, np.int32), np.zeros(n, bool),
+                                              decode_block)
             self.cache, self.sampler = res[0], res[1]
             jax.block_until_ready(res[2])
         # The slot operations, as no-ops on slot 0, so that admitting and releasing never compile.

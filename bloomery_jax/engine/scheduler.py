@@ -14,6 +14,11 @@ feed one prefill chunk (at most ``ubatch`` tokens) of the oldest sequence still 
 prompt, then one decode step of every sequence that is generating. A long prompt therefore
 delays the others by one chunk per token they generate, never by its whole length. The
 server runs ``serve_forever`` in a thread; a CLI calls ``drive(request)``.
+
+``decode_block`` n > 1: when no prompt is being read, none is waiting and every generating
+sequence has n tokens of ``max_tokens`` and n positions left, they decode n steps in one device
+call (``Engine.decode_block``); a sequence that stops inside the block drops the tokens after
+its stop, and a cancellation or a new request waits for the block to end.
 """
 
 from __future__ import annotations
@@ -118,8 +123,11 @@ class Scheduler:
     """
 
     def __init__(self, engine: Engine, detokenizer: Callable[[], object] | None = None,
-                 max_queue: int | None = None, prefill_chunk: int | None = None):
+                 max_queue: int | None = None, prefill_chunk: int | None = None, decode_block: int = 1):
+        if decode_block < 1:
+            raise ConfigError(f"decode_block must be >= 1, got {decode_block}")
         self.engine = engine
+        self.decode_block = decode_block
         self.detokenizer = detokenizer
         self.max_queue = max_queue
         self.prefill_chunk = min(prefill_chunk or engine.ubatch, engine.ubatch)
@@ -194,9 +202,21 @@ class Scheduler:
         # Sequences with one pending token: generating, just done reading, or a 1-token prompt.
         generating = [r for r in self._running if r.seq.pending == 1]
         if generating:
-            for r, sampled in zip(generating, self.engine.decode([r.seq for r in generating])):
-                events += self._on_token(r, sampled)
+            for step in self.engine.decode_block([r.seq for r in generating], self._block(generating, reading)):
+                for r, sampled in zip(generating, step):
+                    if not r.done:  # a stop earlier in the block: the rest is dropped
+                        events += self._on_token(r, sampled)
         return events
+
+    def _block(self, generating: list[Request], reading: list[Request]) -> int:
+        """Decode steps for this iteration: ``decode_block`` while nothing else waits for a step
+        and every sequence has that many tokens and positions left, else 1 (two compiled shapes
+        a bucket, whatever the lengths)."""
+        if self.decode_block == 1 or reading or self._waiting:
+            return 1
+        room = min(min(r.stop.max_tokens - len(r.tokens), self.engine.max_context - r.seq.n_cached)
+                   for r in generating)
+        return self.decode_block if room >= self.decode_block else 1
 
     def _on_token(self, r: Request, s: Sampled) -> list[Event]:
         if r.timings.t_first is None:

@@ -11,6 +11,10 @@ device, and return the cache and sampler state, which are donated (updated in pl
 - ``decode(params, cache, sampler, placement, tokens [b], positions [b], active [b])``: one
   token for each of slots ``[0, b)``; rows with ``active`` False are padding (position ``S``,
   nothing stored, sampler row untouched).
+- ``decode_block(..., n)``: n decode steps in one call, each step's sampled token the next
+  one's input (a ``lax.scan`` of the decode step, on the device): the same tokens and state as n
+  ``decode`` calls, with the host's per-call work (argument handling, input copies, reading
+  the token back) paid once for n tokens. Its outputs have a leading step axis.
 
 Each returns ``(cache, sampler, SampleOut, logits of the sampled positions, routing)``. Shapes
 are static per chunk length T and bucket b; slots, positions and flags are traced, so requests
@@ -70,6 +74,19 @@ class StepFunctions:
         self._spare[b] = (out, logits, routing)
         return cache, sampler, out, logits, routing
 
+    def decode_block(self, params, cache, sampler, placement, tokens, positions, active, n: int):
+        """n decode steps: ``(cache, sampler, SampleOut [n, ...], routing [n, ...])``."""
+        args = (params, cache, sampler, placement, tokens, positions, active)
+        key = ("block", int(np.shape(tokens)[0]), n)
+        spare = self._spare.pop(key, None)
+        if spare is None:
+            shapes = jax.eval_shape(lambda *a: _decode_steps(self.forward, self.cfg, self.n_top, n, *a)[2:], *args)
+            sharding = jax.tree.leaves(cache)[0].sharding
+            spare = jax.device_put(jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes), sharding)
+        cache, sampler, out, routing = _decode_block(self.forward, self.cfg, self.n_top, n, *args, spare)
+        self._spare[key] = (out, routing)
+        return cache, sampler, out, routing
+
     @staticmethod
     def set_row(sampler, slot, row):
         return _set_row(sampler, slot, row)
@@ -112,6 +129,26 @@ def _decode_step(forward, cfg, n_top, params, cache: SlotCache, sampler, placeme
 def _decode(forward, cfg, n_top, params, cache: SlotCache, sampler, placement, tokens, positions, active, spare):
     del spare
     return _decode_step(forward, cfg, n_top, params, cache, sampler, placement, tokens, positions, active)
+
+
+def _decode_steps(forward, cfg, n_top, n, params, cache, sampler, placement, tokens, positions, active):
+    def step(carry, _):
+        cache, sampler, tokens, positions = carry
+        cache, sampler, out, _, routing = _decode_step(forward, cfg, n_top, params, cache, sampler, placement,
+                                                       tokens, positions, active)
+        # padding rows stay at position S (never stored); real rows feed their token back
+        return (cache, sampler, out.token, jnp.where(active, positions + 1, positions)), (out, routing)
+
+    (cache, sampler, _, _), (outs, routings) = jax.lax.scan(step, (cache, sampler, tokens, positions), length=n)
+    return cache, sampler, outs, routings  # outs, routings: a leading [n] axis
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC + ("n",), donate_argnames=_DONATE + ("spare",),
+                   keep_unused=True)
+def _decode_block(forward, cfg, n_top, n, params, cache: SlotCache, sampler, placement, tokens, positions, active,
+                  spare):
+    del spare  # as for _decode: the last block's outputs, so this block's keep their addresses
+    return _decode_steps(forward, cfg, n_top, n, params, cache, sampler, placement, tokens, positions, active)
 
 
 _set_row = jax.jit(sampling.set_row, donate_argnums=0)
