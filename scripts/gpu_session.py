@@ -182,7 +182,8 @@ def bench(args, name: str, extra: list[str], parallel: str = "1,2") -> None:
     p, n = ("64", "16") if args.tiny else ("512", "128")
     cmd = [sys.executable, "-m", "bloomery_jax.bench", "--model", str(model_path(args)), "-p", p, "-n", n,
            "--parallel", parallel, "--reps", str(args.reps), "--json", "--kernels", args.kernels,
-           "--attention", args.attention, "--bridge", args.bridge, "--routing", args.routing, *extra]
+           "--attention", args.attention, "--bridge", args.bridge, "--routing", args.routing,
+           "--decode-block", str(args.decode_block), *extra]
     log(" ".join(cmd))
     t0 = time.perf_counter()
     try:
@@ -193,7 +194,8 @@ def bench(args, name: str, extra: list[str], parallel: str = "1,2") -> None:
     records = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
     tag = (args.kernels + ("" if args.attention == "xla" else f"-attn-{args.attention}")
            + ("" if args.routing == "xla" else f"-route-{args.routing}")
-           + ("" if args.bridge == "callback" else f"-bridge-{args.bridge}"))
+           + ("" if args.bridge == "callback" else f"-bridge-{args.bridge}")
+           + ("" if args.decode_block == 1 else f"-block{args.decode_block}"))
     write_json(args.out, f"bench-{name}-{tag}.json", dict(command=" ".join(cmd), rc=rc, records=records,
                                                     stderr=stderr[-3000:], seconds=time.perf_counter() - t0))
 
@@ -295,6 +297,7 @@ def main(argv=None) -> int:
     p.add_argument("--attention", default="xla", choices=("xla", "pallas"), help="bench --attention (default xla)")
     p.add_argument("--routing", default="xla", choices=("xla", "pallas"), help="bench --routing (default xla)")
     p.add_argument("--bridge", default="callback", choices=("callback", "ffi"), help="bench --bridge (default callback)")
+    p.add_argument("--decode-block", type=int, default=1, help="bench --decode-block (default 1)")
     p.add_argument("--parallel", default=None, help="bench --parallel for every variant (default: its own)")
     p.add_argument("--tiny", action="store_true", help="small models: check the flow on a CPU")
     p.add_argument("--only", type=lambda v: v.split(","), default=None,
