@@ -198,9 +198,7 @@ def run(argv: list[str] | None = None, out=None, err=None) -> list[dict]:
                                   args.bridge, args.routing)
     witness = source_witness()
     size = sum(int(t.data.nbytes) for t in model.gguf.tensors.values())
-    from .models.loader import resolve_bridge, resolve_kernels
-
-    kernels, bridge = resolve_kernels(args.kernels), resolve_bridge(args.bridge)
+    kernels, bridge = model.kernels, model.bridge
     rng = np.random.default_rng(args.seed)
     records = []
     for parallel in args.parallel:

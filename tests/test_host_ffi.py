@@ -18,7 +18,7 @@ from test_hybrid import SHAPE, greedy_tokens, prompt
 from bloomery_jax.errors import ConfigError
 from bloomery_jax.host import ffi_layout
 from bloomery_jax.host.bridge import HostBridge
-from bloomery_jax.host.ffi import _SLOTS, FfiHostBridge, _compiler, library
+from bloomery_jax.host.ffi import _SLOTS, FfiHostBridge, compiler, library
 from bloomery_jax.models.loader import load_model
 from bloomery_jax.models.qwen3moe import forward
 
@@ -101,7 +101,7 @@ def test_record_layout_matches_the_library():
 def test_no_compiler_is_a_config_error(monkeypatch):
     monkeypatch.setattr("shutil.which", lambda name: None)
     with pytest.raises(ConfigError, match="needs a C\\+\\+ compiler"):
-        _compiler()
+        compiler()
 
 
 def test_auto_bridge_is_ffi_on_a_gpu_with_a_compiler_else_callback(monkeypatch, capsys):
@@ -247,7 +247,7 @@ def test_cuda_path_queues_copies_host_call_and_copy_back(tmp_path):
     src = tmp_path / "fake_libcuda.cc"
     src.write_text(FAKE_LIBCUDA)
     so = tmp_path / "libcuda.so.1"
-    subprocess.run([_compiler(), "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", str(src), "-o", str(so)], check=True)
+    subprocess.run([compiler(), "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", str(src), "-o", str(so)], check=True)
     script = tmp_path / "cuda_path.py"
     script.write_text(CUDA_PATH_SCRIPT)
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}

@@ -45,7 +45,8 @@ ROLES = ("gate", "up", "down")  # the stream handler's role numbers
 N_SLOTS = 1 << 16  # ffi_bridge.cc's kSlots
 
 
-def _compiler() -> str:
+def compiler() -> str:
+    """The C++ compiler that builds the ffi library; ConfigError when there is none."""
     for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
         if name and shutil.which(name):
             return shutil.which(name)
@@ -60,7 +61,7 @@ def library() -> ctypes.CDLL:
 
     from ..default_model import cache_dir
 
-    cxx = _compiler()
+    cxx = compiler()
     header = F.c_header()
     key = hashlib.sha256(SOURCE.read_bytes() + header.encode() + jaxlib.__version__.encode() + cxx.encode())
     path = cache_dir() / "ffi" / f"libbloomery_bridge-{key.hexdigest()[:16]}.so"

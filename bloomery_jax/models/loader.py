@@ -40,6 +40,8 @@ class Model:
     params: dict[str, QTensor]
     module: ModuleType
     placement: object = None  # placement.Placement for MoE models, None for dense ones
+    kernels: str = "reference"  # the card kernels it runs (``resolve_kernels`` of the load's setting)
+    bridge: str = "callback"  # the host-expert bridge it was loaded with (``resolve_bridge``)
 
     @property
     def path(self) -> str:
@@ -153,7 +155,8 @@ def load_model(path: str | os.PathLike, *, device=None, place="card", reserve_by
     elif _want_f32(weights, params, bool(host_tensors)):
         # Exactly the values the per-step dequantization forms (quant.dequantize is bit-exact).
         params = jax.jit(lambda ps: {k: q.dequantize() for k, q in ps.items()})(params)
-    return Model(gguf=gf, cfg=cfg, params=params, module=module, placement=placement)
+    return Model(gguf=gf, cfg=cfg, params=params, module=module, placement=placement, kernels=kernels,
+                 bridge=bridge)
 
 
 def resolve_kernels(kernels: str, device=None) -> str:
@@ -179,10 +182,10 @@ def resolve_bridge(bridge: str, device=None) -> str:
         return bridge
     if (device or jax.devices()[0]).platform not in ("gpu", "cuda"):
         return "callback"
-    from ..host.ffi import _compiler
+    from ..host.ffi import compiler
 
     try:
-        _compiler()
+        compiler()
     except ConfigError as e:
         print(f"bridge auto: callback, since {e}", file=sys.stderr)
         return "callback"
