@@ -95,7 +95,7 @@ def test_slots_are_handed_out_lowest_first_and_returned():
 
 def test_record_layout_matches_the_library():
     assert library().bloomery_ffi_record_words() == ffi_layout.WORDS
-    assert "kStageX = %d," % ffi_layout.STAGE_X in ffi_layout.c_header()
+    assert "kStageIn = %d," % ffi_layout.STAGE_IN in ffi_layout.c_header()
 
 
 def test_no_compiler_is_a_config_error(monkeypatch):

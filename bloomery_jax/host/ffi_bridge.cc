@@ -7,9 +7,12 @@
 // persistent cache in another process, where bloomery_ffi_set_record has filled the table anew.
 //
 // CPU: the handler calls the host function on XLA's buffers directly.
-// CUDA: the handler enqueues, on the step's stream, copies of the inputs into the record's
-// pinned staging buffers, the host function (cuLaunchHostFunc), and the copy of its output
-// back. It never synchronises, so XLA may record it into the step's CUDA graph (the handler is
+// A call's inputs come packed in one byte buffer (``Packed``: x, experts, weights, on_host), so
+// that the CUDA path copies them to the host in one transfer, not four.
+//
+// CUDA: the handler enqueues, on the step's stream, the copy of the packed inputs into the
+// record's pinned staging buffer, the host function (cuLaunchHostFunc), and the copy of its
+// output back. It never synchronises, so XLA may record it into the step's CUDA graph (the handler is
 // declared command-buffer compatible). The CUDA driver is opened with dlopen, so building
 // this file needs no CUDA toolkit.
 
@@ -25,6 +28,7 @@
 #include <string>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 #include "bloomery_ffi_layout.h"  // enum Field: the record's words, generated from ffi_layout.py
 #include "xla/ffi/api/ffi.h"
@@ -59,25 +63,32 @@ void RunHost(int64_t* rec, const void* x, const int32_t* experts, const void* we
   __atomic_fetch_add(&rec[kNanos], static_cast<int64_t>(ns), __ATOMIC_RELAXED);
 }
 
-// The slot's record, after checking the call's shapes against it: x [n, D], experts and
-// weights [n, k], on_host [E], out [n, D].
-ffi::ErrorOr<int64_t*> Checked(int64_t slot, const ffi::AnyBuffer& x, const ffi::AnyBuffer& experts,
-                               const ffi::AnyBuffer& weights, const ffi::AnyBuffer& on_host,
-                               const ffi::Result<ffi::AnyBuffer>& out) {
+// Byte offsets of the packed inputs of n tokens: x f32 [n, D], experts s32 [n, k], weights f32
+// [n, k], on_host bool [E], one after the other (host/ffi.py's FfiHostBridge.moe packs them).
+struct Packed {
+  size_t x, experts, weights, on_host, total;
+};
+
+Packed Offsets(const int64_t* rec, int64_t n) {
+  size_t act = 4 * n * rec[kD], pairs = 4 * n * rec[kK];
+  return {0, act, act + pairs, act + 2 * pairs, act + 2 * pairs + static_cast<size_t>(rec[kE])};
+}
+
+// The slot's record and the token count, after checking the call against the record: packed
+// u8 [Offsets(n).total], out f32 [n, D].
+ffi::ErrorOr<std::pair<int64_t*, int64_t>> Checked(int64_t slot, const ffi::AnyBuffer& packed,
+                                                   const ffi::Result<ffi::AnyBuffer>& out) {
   int64_t* rec = Record(slot);
   if (rec == nullptr)
     return ffi::Error::InvalidArgument("bloomery host bridge: slot " + std::to_string(slot) +
                                        " has no layer record (its bridge was freed?)");
-  if (x.element_type() != ffi::F32 || experts.element_type() != ffi::S32 || weights.element_type() != ffi::F32 ||
-      on_host.element_type() != ffi::PRED || out->element_type() != ffi::F32)
-    return ffi::Error::InvalidArgument("bloomery host bridge: wants f32 x, s32 experts, f32 weights, pred on_host");
-  auto xd = x.dimensions(), ed = experts.dimensions(), wd = weights.dimensions(), hd = on_host.dimensions();
-  auto od = out->dimensions();
-  if (xd.size() != 2 || ed.size() != 2 || wd.size() != 2 || hd.size() != 1 || od.size() != 2 ||
-      xd[1] != rec[kD] || ed[0] != xd[0] || ed[1] != rec[kK] || wd[0] != ed[0] || wd[1] != ed[1] ||
-      hd[0] != rec[kE] || od[0] != xd[0] || od[1] != xd[1])
+  if (packed.element_type() != ffi::U8 || out->element_type() != ffi::F32)
+    return ffi::Error::InvalidArgument("bloomery host bridge: wants u8 packed inputs and an f32 output");
+  auto pd = packed.dimensions(), od = out->dimensions();
+  if (pd.size() != 1 || od.size() != 2 || od[1] != rec[kD] ||
+      static_cast<size_t>(pd[0]) != Offsets(rec, od[0]).total)
     return ffi::Error::InvalidArgument("bloomery host bridge: shapes do not match the layer record");
-  return rec;
+  return std::make_pair(rec, static_cast<int64_t>(od[0]));
 }
 
 // A layer's expert tensor `role` (0 gate, 1 up, 2 down): its address and byte size, or an error
@@ -106,12 +117,14 @@ ffi::Error StreamCpu(int64_t slot, int64_t role, ffi::Result<ffi::AnyBuffer> out
   return ffi::Error::Success();
 }
 
-ffi::Error HostMoeCpu(int64_t slot, ffi::AnyBuffer x, ffi::AnyBuffer experts, ffi::AnyBuffer weights,
-                      ffi::AnyBuffer on_host, ffi::Result<ffi::AnyBuffer> out) {
-  auto rec = Checked(slot, x, experts, weights, on_host, out);
-  if (rec.has_error()) return rec.error();
-  RunHost(*rec, x.untyped_data(), static_cast<const int32_t*>(experts.untyped_data()), weights.untyped_data(),
-          static_cast<const bool*>(on_host.untyped_data()), out->untyped_data(), x.dimensions()[0]);
+ffi::Error HostMoeCpu(int64_t slot, ffi::AnyBuffer packed, ffi::Result<ffi::AnyBuffer> out) {
+  auto checked = Checked(slot, packed, out);
+  if (checked.has_error()) return checked.error();
+  auto [rec, n] = *checked;
+  const auto* base = static_cast<const uint8_t*>(packed.untyped_data());
+  Packed off = Offsets(rec, n);
+  RunHost(rec, base + off.x, reinterpret_cast<const int32_t*>(base + off.experts), base + off.weights,
+          reinterpret_cast<const bool*>(base + off.on_host), out->untyped_data(), n);
   return ffi::Error::Success();
 }
 
@@ -173,14 +186,16 @@ HostCall* Intern(int64_t* rec, int64_t n) {
   static std::mutex mu;
   static std::map<std::tuple<int64_t*, int64_t, int64_t>, HostCall*> calls;
   std::lock_guard<std::mutex> lock(mu);
-  auto key = std::make_tuple(rec, rec[kStageX], n);
+  auto key = std::make_tuple(rec, rec[kStageIn], n);
   auto it = calls.find(key);
   if (it != calls.end()) return it->second;
+  const auto* in = reinterpret_cast<const uint8_t*>(rec[kStageIn]);
+  Packed off = Offsets(rec, n);
   auto* c = new HostCall{rec,
-                         reinterpret_cast<const void*>(rec[kStageX]),
-                         reinterpret_cast<const int32_t*>(rec[kStageExperts]),
-                         reinterpret_cast<const void*>(rec[kStageWeights]),
-                         reinterpret_cast<const bool*>(rec[kStageOnHost]),
+                         in + off.x,
+                         reinterpret_cast<const int32_t*>(in + off.experts),
+                         in + off.weights,
+                         reinterpret_cast<const bool*>(in + off.on_host),
                          reinterpret_cast<void*>(rec[kStageOut]),
                          n};
   calls.emplace(key, c);
@@ -192,23 +207,19 @@ void HostCallback(void* arg) {
   RunHost(c->rec, c->x, c->experts, c->weights, c->on_host, c->out, c->n);
 }
 
-// The CUDA path's work for one call: copies in, the host function, the copy out, all queued on
-// `stream`. The buffers are device pointers of the sizes the record gives for n tokens.
-ffi::Error Enqueue(CUstream stream, int64_t* rec, const void* x, const void* experts, const void* weights,
-                   const void* on_host, void* out, int64_t n) {
+// The CUDA path's work for one call: the copy in, the host function, the copy out, all queued
+// on `stream`. The buffers are device pointers: the packed inputs and the output of n tokens.
+ffi::Error Enqueue(CUstream stream, int64_t* rec, const void* packed, void* out, int64_t n) {
   const Driver& cu = Cuda();
   if (!cu.error.empty()) return ffi::Error::Internal("bloomery host bridge: " + cu.error);
   if (n > rec[kStageTokens])
     return ffi::Error::Internal("bloomery host bridge: " + std::to_string(n) + " tokens but staging for " +
                                 std::to_string(rec[kStageTokens]));
   HostCall* c = Intern(rec, n);
-  size_t act = 4 * n * rec[kD], pairs = 4 * n * rec[kK];
+  size_t act = 4 * n * rec[kD];
   auto dev = [](const void* p) { return reinterpret_cast<uint64_t>(p); };
   CUresult r = 0;
-  r |= cu.memcpy_async(dev(c->x), dev(x), act, stream);
-  r |= cu.memcpy_async(dev(c->experts), dev(experts), pairs, stream);
-  r |= cu.memcpy_async(dev(c->weights), dev(weights), pairs, stream);
-  r |= cu.memcpy_async(dev(c->on_host), dev(on_host), rec[kE], stream);
+  r |= cu.memcpy_async(dev(c->x), dev(packed), Offsets(rec, n).total, stream);  // c->x: the staging's start
   r |= cu.launch_host_func(stream, HostCallback, c);
   r |= cu.memcpy_async(dev(out), dev(c->out), act, stream);
   if (r != 0) return ffi::Error::Internal("bloomery host bridge: a CUDA driver call failed");
@@ -251,32 +262,21 @@ ffi::Error StreamCuda(CUstream stream, int64_t slot, int64_t role, ffi::Result<f
   return ffi::Error::Success();
 }
 
-ffi::Error HostMoeCuda(CUstream stream, int64_t slot, ffi::AnyBuffer x, ffi::AnyBuffer experts,
-                       ffi::AnyBuffer weights, ffi::AnyBuffer on_host, ffi::Result<ffi::AnyBuffer> out) {
-  auto rec = Checked(slot, x, experts, weights, on_host, out);
-  if (rec.has_error()) return rec.error();
-  return Enqueue(stream, *rec, x.untyped_data(), experts.untyped_data(), weights.untyped_data(),
-                 on_host.untyped_data(), out->untyped_data(), x.dimensions()[0]);
+ffi::Error HostMoeCuda(CUstream stream, int64_t slot, ffi::AnyBuffer packed, ffi::Result<ffi::AnyBuffer> out) {
+  auto checked = Checked(slot, packed, out);
+  if (checked.has_error()) return checked.error();
+  return Enqueue(stream, checked->first, packed.untyped_data(), out->untyped_data(), checked->second);
 }
 
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BloomeryHostMoeCpu, HostMoeCpu,
-                              ffi::Ffi::Bind()
-                                  .Attr<int64_t>("slot")
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
+                              ffi::Ffi::Bind().Attr<int64_t>("slot").Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BloomeryHostMoeCuda, HostMoeCuda,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<CUstream>>()
                                   .Attr<int64_t>("slot")
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>(),
                               {ffi::Traits::kCmdBufferCompatible});
@@ -305,12 +305,21 @@ int bloomery_ffi_set_record(int64_t slot, int64_t* record) {
 
 // For tests on machines without a GPU: the CUDA path's queue of work (Enqueue) for slot's record
 // on a null stream, with whatever libcuda.so.1 the process has loaded (tests load a stand-in that
-// runs every call at once). 0 on success, else 1 with the message in `error`.
+// runs every call at once), the four inputs packed here as the step packs them. 0 on success,
+// else 1 with the message in `error`.
 int bloomery_ffi_test_enqueue(int64_t slot, const void* x, const void* experts, const void* weights,
                               const void* on_host, void* out, int64_t n, char* error, size_t error_len) {
   int64_t* rec = Record(slot);
-  ffi::Error e = rec == nullptr ? ffi::Error::InvalidArgument("no record")
-                                : Enqueue(nullptr, rec, x, experts, weights, on_host, out, n);
+  ffi::Error e = ffi::Error::InvalidArgument("no record");
+  if (rec != nullptr) {
+    Packed off = Offsets(rec, n);
+    std::vector<uint8_t> packed(off.total);
+    std::memcpy(packed.data() + off.x, x, off.experts - off.x);
+    std::memcpy(packed.data() + off.experts, experts, off.weights - off.experts);
+    std::memcpy(packed.data() + off.weights, weights, off.on_host - off.weights);
+    std::memcpy(packed.data() + off.on_host, on_host, off.total - off.on_host);
+    e = Enqueue(nullptr, rec, packed.data(), out, n);
+  }
   if (e.success()) return 0;
   snprintf(error, error_len, "%s", e.message().c_str());
   return 1;

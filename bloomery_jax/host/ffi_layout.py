@@ -9,8 +9,8 @@ FIELDS = (
     "GATE_ROW_BYTES", "UP_ROW_BYTES", "DOWN_ROW_BYTES",
     "GATE_FMT", "UP_FMT", "DOWN_FMT", "Q8", "ROWS_PER_ITEM", "THREADS", "MULTI_MIN1", "MULTI_MIN2",
     "TAB16", "TABBF",  # addresses of the f16 / bf16 conversion tables
-    # CUDA only: pinned staging (tokens it holds; x, experts, weights, on_host, out)
-    "STAGE_TOKENS", "STAGE_X", "STAGE_EXPERTS", "STAGE_WEIGHTS", "STAGE_ON_HOST", "STAGE_OUT",
+    # CUDA only: pinned staging (tokens it holds; the packed inputs, out)
+    "STAGE_TOKENS", "STAGE_IN", "STAGE_OUT",
     "CALLS", "PAIRS", "NANOS",  # counters, added to by the host function
     "STREAMED",  # expert bytes copied by the stream handler
 )
