@@ -11,15 +11,18 @@
 #   graph    the trace with the graphs kept
 #   opbyop   the trace as XLA does it by default (kernels launched one by one)
 #   dump     no trace; XLA's thunk sequence of the decode module (what the graph holds)
+#   block8   as graph, eight decode steps a device call (--decode-block 8)
 #
 #   run: bash scripts/graph_trace_probe.sh   (carry .whl and, to build llama.cpp, .baseline;
 #        BUILD=0 skips the build and the 48-layer file; writes under $OUT). The build and the
 #        48-layer file go on after the call returns; the next call starts with
 #        scripts/await_builds.sh.
 set -u
+# Files go to $RES and come back as one archive (a device call returns 8 files at most).
 OUT=${OUT:-/tmp/graph_trace_probe}
-mkdir -p "$OUT"
-S="python3 scripts/gpu_session.py --out $OUT"
+RES=/tmp/graph_trace_probe_files
+mkdir -p "$OUT" "$RES"
+S="python3 scripts/gpu_session.py --out $RES"
 M8=/tmp/bloomery/qwen3-30b-a3b-shape-8l-q4km.gguf
 if [ "${BUILD:-1}" = 1 ]; then
   # in their own sessions, so they outlive this call on a warm machine: the next call waits for
@@ -34,15 +37,17 @@ declare -A FLAGS=(
   [graph]="--xla_enable_command_buffers_during_profiling=true"
   [opbyop]=""
   [dump]="--xla_dump_to=/tmp/gtp-dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*"
+  [block8]="--xla_enable_command_buffers_during_profiling=true"
 )
-for v in graph opbyop dump; do
+for v in graph block8 opbyop dump; do
   trace=""; [ $v = dump ] && trace="--no-trace"
+  [ $v = block8 ] && trace="--decode-block 8"
   XLA_FLAGS="${FLAGS[$v]}" taskset -c $CORES timeout 150 python3 scripts/profile_decode.py --model $M8 \
     --kernels pallas --attention pallas --routing pallas --steps 16 $trace --out /tmp/gtp-$v > /tmp/gtp-$v.log 2>&1
   echo "$v: rc $? at ${SECONDS}s"
   if [ -f /tmp/gtp-$v/profile.json ]; then
-    cp /tmp/gtp-$v/profile.json "$OUT/profile-$v.json"
-    [ -f /tmp/gtp-$v/events.json.gz ] && cp /tmp/gtp-$v/events.json.gz "$OUT/events-$v.json.gz"
+    cp /tmp/gtp-$v/profile.json "$RES/profile-$v.json"
+    [ -f /tmp/gtp-$v/events.json.gz ] && cp /tmp/gtp-$v/events.json.gz "$RES/events-$v.json.gz"
     python3 - /tmp/gtp-$v/profile.json <<'PY'
 import json, sys
 d = json.load(open(sys.argv[1]))
@@ -55,6 +60,7 @@ PY
   fi
 done
 seq_file=$(ls -t /tmp/gtp-dump/*decode*thunk_sequence_after_thunk_passes* 2>/dev/null | head -1)
-[ -n "$seq_file" ] && cp "$seq_file" "$OUT/decode_8l_thunk_sequence.txt" && echo "thunks: $(grep -c . "$seq_file") lines"
-python3 scripts/hlo_launches.py /tmp/gtp-dump > "$OUT/hlo_launches.json" 2>&1; cut -c1-300 "$OUT/hlo_launches.json"
+[ -n "$seq_file" ] && cp "$seq_file" "$RES/decode_8l_thunk_sequence.txt" && echo "thunks: $(grep -c . "$seq_file") lines"
+python3 scripts/hlo_launches.py /tmp/gtp-dump > "$RES/hlo_launches.json" 2>&1; cut -c1-300 "$RES/hlo_launches.json"
+tar czf "$OUT/graph_trace_probe.tgz" -C "$RES" .
 echo "end ${SECONDS}s; llama.cpp build done: $(cat /tmp/llbuild.done 2>/dev/null || echo no), 48-layer file: $(cat /tmp/model48.done 2>/dev/null || echo no)"

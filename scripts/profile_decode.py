@@ -56,21 +56,26 @@ def decode_inputs(engine, seq):
     return tokens, positions, np.ones(1, bool)
 
 
-def timed_steps(engine, seq, n: int) -> tuple[list[float], list[float]]:
-    """n decode steps of ``seq``: (dispatch seconds, call-to-token seconds) per step."""
+def timed_steps(engine, seq, n: int, block: int = 1) -> tuple[list[float], list[float]]:
+    """n decode steps of ``seq``, ``block`` a device call: (dispatch seconds, call-to-token
+    seconds) per step (a block's times divided by its steps)."""
     dispatch, total = [], []
-    for _ in range(n):
+    for _ in range(n // block):
         tokens, positions, active = decode_inputs(engine, seq)
         t0 = time.perf_counter()
-        engine.cache, engine.sampler, out, _, engine.last_routing = engine.steps.decode(
-            engine.params, engine.cache, engine.sampler, engine.placement, tokens, positions, active)
+        if block == 1:
+            engine.cache, engine.sampler, out, _, engine.last_routing = engine.steps.decode(
+                engine.params, engine.cache, engine.sampler, engine.placement, tokens, positions, active)
+        else:
+            engine.cache, engine.sampler, out, engine.last_routing = engine.steps.decode_block(
+                engine.params, engine.cache, engine.sampler, engine.placement, tokens, positions, active, block)
         t1 = time.perf_counter()
-        token = int(jax.device_get(out.token)[0])
+        new = np.asarray(jax.device_get(out.token)).reshape(block, -1)[:, 0].tolist()  # [block] tokens of row 0
         t2 = time.perf_counter()
-        seq.n_cached += 1
-        seq.tokens.append(token)
-        dispatch.append(t1 - t0)
-        total.append(t2 - t0)
+        seq.n_cached += block
+        seq.tokens += new
+        dispatch += [(t1 - t0) / block] * block
+        total += [(t2 - t0) / block] * block
     return dispatch, total
 
 
@@ -159,6 +164,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=32, help="decode steps timed, then traced")
     p.add_argument("--top", type=int, default=40, help="kernels listed")
     p.add_argument("--out", type=Path, required=True, help="trace directory (and profile.json)")
+    p.add_argument("--decode-block", type=int, default=1, help="decode steps a device call (--steps a multiple)")
     p.add_argument("--step-gap-us", type=float, default=200.0,
                    help="an idle device gap longer than this separates two steps in the trace")
     p.add_argument("--no-trace", action="store_true",
@@ -177,20 +183,20 @@ def main(argv=None):
     progress = Progress(sys.stderr, quiet=True)
     model, _, load_s = open_model(a.model, progress, a.place, "auto", a.kernels, a.attention, a.bridge,
                                    a.routing)
-    engine = Engine(model, n_slots=1, max_context=a.prompt + 3 * a.steps + 8, ubatch=max(a.prompt, 16))
+    engine = Engine(model, n_slots=1, max_context=a.prompt + 3 * a.steps + 2 * a.decode_block + 8, ubatch=max(a.prompt, 16))
     seq = engine.add(np.random.default_rng(0).integers(0, engine.n_vocab, a.prompt).tolist(),
                      SamplingParams(temperature=0.0))
     while seq.pending > 1:
         engine.prefill(seq)
     t0 = time.perf_counter()
-    timed_steps(engine, seq, 2)  # compile and warm
+    timed_steps(engine, seq, 2 * a.decode_block, a.decode_block)  # compile and warm
     compile_s = time.perf_counter() - t0
-    dispatch, total = timed_steps(engine, seq, a.steps)
+    dispatch, total = timed_steps(engine, seq, a.steps, a.decode_block)
     busy_ms, kernels, span_ms, n_split, middle = None, [], None, None, []
     if not a.no_trace:
         trace_dir = a.out / "trace"
         with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
-            timed_steps(engine, seq, a.steps)
+            timed_steps(engine, seq, a.steps, a.decode_block)
         save_events(trace_dir, a.out / "events.json.gz")
         events = device_events(trace_dir)
         busy_ms, kernels = summarize(events, a.steps, a.top)
@@ -199,7 +205,7 @@ def main(argv=None):
         span_ms = statistics.median(step_spans(steps)) / 1e3
         middle = timeline(steps[len(steps) // 2])
     leaves = len(jax.tree_util.tree_leaves((engine.params, engine.placement)))
-    result = dict(bench="profile_decode", model=a.model, kernels=a.kernels, attention=a.attention, place=a.place, bridge=a.bridge, routing=a.routing,
+    result = dict(bench="profile_decode", model=a.model, kernels=a.kernels, attention=a.attention, place=a.place, bridge=a.bridge, routing=a.routing, decode_block=a.decode_block,
                   device=str(jax.devices()[0].device_kind), layers=model.cfg.n_layers, leaves=leaves,
                   load_s=round(load_s, 1), compile_s=round(compile_s, 1), steps=a.steps,
                   dispatch_ms=round(statistics.median(dispatch) * 1e3, 3),
