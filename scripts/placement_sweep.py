@@ -150,8 +150,8 @@ def replay(trace, on_card, policy=None, stream=False, max_swaps=None, expert_byt
     rows = []  # (kind, served, routed, swaps after the step)
     for step in trace:
         served, routed = ctrl.observe(step.experts)
-        if step.kind == trace_mod.PREFILL and stream:
-            ctrl.prompt_plan(step.experts)
+        if step.kind == trace_mod.PREFILL and stream:  # as slots.LiveResidency: an LFU's ratio
+            ctrl.prompt_plan(step.experts, hysteresis=getattr(ctrl.policy, "hysteresis", 1.0))
         else:
             ctrl.step_plan(max_swaps)
         rows.append((step.kind, served, routed, ctrl.swaps_last))

@@ -213,6 +213,12 @@ def test_prompt_plan_seats_the_prompt_hottest():
     np.testing.assert_array_equal(ctrl.counts.counts, before)  # prompt_plan does not count
     ctrl2 = ResidencyController(np.array([[0, 1, 2, -1, -1, -1]]))
     assert ctrl2.prompt_plan(prompt, max_swaps_per_layer=1) == {0: [Swap(slot=2, out_expert=2, in_expert=3)]}
+    # with a bar: 3 (5 calls) clears 1.5 x resident 1 (0 calls); 4 (3 calls) against 2 (0) needs
+    # the margin below 3; nothing displaces the resident 0 (3 calls) at 1.5x
+    for hysteresis, margin, moved in ((1.5, 0.0, [3, 4]), (1.5, 3.0, [3]), (2.0, 5.0, [])):
+        ctrl3 = ResidencyController(np.array([[0, 1, 2, -1, -1, -1]]))
+        plan = ctrl3.prompt_plan(prompt, hysteresis=hysteresis, margin=margin)
+        assert sorted(s.in_expert for s in plan.get(0, [])) == moved, (hysteresis, margin, plan)
 
 
 # --- trace files -------------------------------------------------------------------------------

@@ -393,12 +393,18 @@ class ResidencyController:
                     plan[l] = swaps
         return self._commit(plan)
 
-    def prompt_plan(self, routing_experts, mask=None, max_swaps_per_layer: int | None = None
-                    ) -> dict[int, list[Swap]]:
+    def prompt_plan(self, routing_experts, mask=None, max_swaps_per_layer: int | None = None,
+                    hysteresis: float = 1.0, margin: float = 0.0) -> dict[int, list[Swap]]:
         """Prompt-time streaming: seat each layer's experts the prompt routed most, at once.
 
-        Ranks by the prompt's own counts (ties: resident first, then the decayed counts, then id),
-        with no hysteresis, so a host expert the prompt used more than a resident displaces it.
+        Ranks by the prompt's own counts (ties: resident first, then the decayed counts, then id).
+        A host expert displaces a resident when the prompt used it more than ``hysteresis`` times
+        as often plus ``margin`` (the defaults: any more often), matched hottest against coldest
+        as :class:`LFU` does; :class:`~.slots.LiveResidency` passes its LFU policy's hysteresis
+        (not its margin, which counts decayed decode calls), so that a prompt like the last one
+        re-seats fewer experts (on a synthetic 48-layer trace at a quarter budget, four 512-token
+        prompts with 128 decode steps each: 75-112 swaps a later prompt against 142-163, the
+        same served fraction, 0.69).
         Does not count the routing: :meth:`observe` the prompt's steps as usual.
         """
         L, E = self._slot_of.shape
@@ -409,8 +415,16 @@ class ResidencyController:
         plan = {}
         for l in self.adaptive_layers:
             row = self._slot_of[l]
-            order = np.lexsort((ids, -self.counts.counts[l], row < 0, -prompt[l]))
-            want = _top(order, int(self.n_slots[l]), E)
+            resident = row >= 0
+            order = np.lexsort((ids, -self.counts.counts[l], ~resident, -prompt[l]))  # hottest first
+            host_hot = order[~resident[order]]
+            res_cold = order[::-1][resident[order[::-1]]]
+            m = min(host_hot.shape[0], res_cold.shape[0])
+            wins = prompt[l][host_hot[:m]] > hysteresis * prompt[l][res_cold[:m]] + margin  # a prefix wins
+            n = m if wins.all() else int(np.argmin(wins))
+            want = resident.copy()
+            want[host_hot[:n]] = True
+            want[res_cold[:n]] = False
             swaps = _swaps_in_order(row, want, max_swaps_per_layer, order)
             if swaps:
                 plan[l] = swaps

@@ -131,7 +131,8 @@ class LiveResidency:
             prompt = np.concatenate(self._prompt.pop(prompt_key), axis=1)
             if not self.prompt_streaming:
                 return
-            plan = self.controller.prompt_plan(prompt)
+            # an LFU's ratio applies to the prompt's counts too (its margin is in decayed calls)
+            plan = self.controller.prompt_plan(prompt, hysteresis=getattr(self.controller.policy, "hysteresis", 1.0))
         else:
             plan = self.controller.step_plan(self.max_swaps_per_layer)
         if plan:
