@@ -189,6 +189,7 @@ int cuCtxPopCurrent_v2(void** ctx) { *ctx = (void*)1; return 0; }
 int cuMemHostAlloc(void** p, size_t n, unsigned flags) { return posix_memalign(p, 64, n); }
 int cuMemcpyAsync(unsigned long long dst, unsigned long long src, size_t n, void* stream) {
   memcpy((void*)dst, (const void*)src, n); return 0; }
+int cuMemcpyHtoD_v2(unsigned long long dst, const void* src, size_t n) { memcpy((void*)dst, src, n); return 0; }
 int cuLaunchHostFunc(void* stream, host_fn fn, void* arg) { fn(arg); return 0; }
 }
 """
@@ -229,6 +230,14 @@ for r in ("gate", "up", "down"):
     assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b) and not np.shares_memory(a, b)
 np.testing.assert_array_equal(host_moe_swiglu(x, experts, weights, on_host, pinned),
                               host_moe_swiglu(x, experts, weights, on_host, layer))
+# seating: chosen experts' rows copied from the (pinned) host tensor into a device buffer
+src = layer.down.data  # [E, rows, row_bytes]
+ids = np.array([5, 0, 5, E - 1], np.int64)
+dst = np.zeros((ids.size, *src.shape[1:]), src.dtype)
+row_bytes = src[0].nbytes
+assert lib.bloomery_ffi_rows_to_device(0, dst.ctypes.data, src.ctypes.data, ids.ctypes.data, ids.size, row_bytes,
+                                       err, len(err)) == 0, err.value
+np.testing.assert_array_equal(dst, src[ids])
 st = bridge.stats
 assert st.calls == 3 and st.pairs == int(on_host[experts].sum()) * 2 + int(on_host[experts[:1]].sum()), st
 print("ok")
@@ -238,7 +247,8 @@ print("ok")
 def test_cuda_path_queues_copies_host_call_and_copy_back(tmp_path):
     """The CUDA handler's queue of work (staging copies in, cuLaunchHostFunc, copy out) against a
     stand-in driver that runs each call at once: the staging is sized and used right, and the
-    result is the kernel's bit for bit. (Graph capture and the real driver run on the GPU machine.)"""
+    result is the kernel's bit for bit; and the copy of chosen experts' rows to the card that
+    seating uses. (Graph capture and the real driver run on the GPU machine.)"""
     import os
     import subprocess
     import sys

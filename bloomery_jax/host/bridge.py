@@ -111,6 +111,12 @@ class HostBridge:
         data = jax.pure_callback(functools.partial(self._fetch, t), jax.ShapeDtypeStruct(t.data.shape, t.data.dtype))
         return QTensor(data, int(t.qtype), tuple(t.shape))
 
+    def experts_on_card(self, i: int, role: str, experts, device) -> jax.Array:
+        """Experts ``experts`` of layer ``i``'s ``role`` tensor, their blocks ``[n, rows,
+        row_bytes]`` on ``device`` (for seating them in card slots)."""
+        src = getattr(self.layers[i], role).data  # [E, rows, row_bytes] view of the file
+        return jax.device_put(np.ascontiguousarray(src[np.asarray(experts, np.int64)]), device)
+
     def _fetch(self, t) -> np.ndarray:
         with self._lock:
             self._stats.streamed_bytes += int(t.data.nbytes)

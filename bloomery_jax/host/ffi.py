@@ -73,6 +73,8 @@ def library() -> ctypes.CDLL:
     lib.bloomery_ffi_set_record.argtypes = [ctypes.c_int64, ctypes.c_void_p]
     lib.bloomery_ffi_pinned_alloc.restype = ctypes.c_void_p
     lib.bloomery_ffi_pinned_alloc.argtypes = [ctypes.c_int, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_size_t]
+    lib.bloomery_ffi_rows_to_device.argtypes = [ctypes.c_int, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_void_p,
+                                                ctypes.c_int64, ctypes.c_int64, ctypes.c_char_p, ctypes.c_size_t]
     on_cuda = _on_cuda()
     for target, cpu, cuda in ((TARGET, lib.BloomeryHostMoeCpu, lib.BloomeryHostMoeCuda),
                               (STREAM_TARGET, lib.BloomeryStreamCpu, lib.BloomeryStreamCuda)):
@@ -231,6 +233,22 @@ class FfiHostBridge(HostBridge):
         call = jax.ffi.ffi_call(STREAM_TARGET, jax.ShapeDtypeStruct(t.data.shape, t.data.dtype))
         return QTensor(call(slot=np.int64(self._slots[i]), role=np.int64(ROLES.index(role))), int(t.qtype),
                        tuple(t.shape))
+
+    def experts_on_card(self, i: int, role: str, experts, device) -> jax.Array:
+        """As :meth:`HostBridge.experts_on_card`; on a GPU each expert is copied from the pinned
+        host copy straight into a fresh device buffer (no gather into a staging copy first)."""
+        if not _on_cuda():
+            return super().experts_on_card(i, role, experts, device)
+        src = getattr(self.layers[i], role).data  # [E, rows, row_bytes] in pinned memory
+        ids = np.ascontiguousarray(experts, np.int64)
+        out = jax.device_put(jnp.zeros((ids.size, *src.shape[1:]), src.dtype), device)
+        out.block_until_ready()  # nothing of XLA's may still be writing it
+        err = ctypes.create_string_buffer(256)
+        row_bytes = int(np.prod(src.shape[1:])) * src.dtype.itemsize
+        if self._lib.bloomery_ffi_rows_to_device(device.id, out.unsafe_buffer_pointer(), src.ctypes.data,
+                                                 ids.ctypes.data, ids.size, row_bytes, err, len(err)):
+            raise ConfigError(f"ffi host bridge: copying experts to the card: {err.value.decode()}")
+        return out
 
     def _pinned_layer(self, layer: HostExpertLayer) -> HostExpertLayer:
         """``layer`` with its three tensors copied into pinned memory."""

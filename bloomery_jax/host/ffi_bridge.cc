@@ -141,6 +141,7 @@ struct Driver {
   CUresult (*ctx_pop)(void**) = nullptr;
   CUresult (*host_alloc)(void**, size_t, unsigned) = nullptr;
   CUresult (*memcpy_async)(uint64_t, uint64_t, size_t, CUstream) = nullptr;
+  CUresult (*memcpy_htod)(uint64_t, const void*, size_t) = nullptr;
   CUresult (*launch_host_func)(CUstream, void (*)(void*), void*) = nullptr;
   std::string error;
 };
@@ -164,6 +165,7 @@ const Driver& Cuda() {
     sym(d.ctx_pop, "cuCtxPopCurrent_v2");
     sym(d.host_alloc, "cuMemHostAlloc");
     sym(d.memcpy_async, "cuMemcpyAsync");
+    sym(d.memcpy_htod, "cuMemcpyHtoD_v2");
     sym(d.launch_host_func, "cuLaunchHostFunc");
     return d;
   }();
@@ -323,6 +325,34 @@ int bloomery_ffi_test_enqueue(int64_t slot, const void* x, const void* experts, 
   if (e.success()) return 0;
   snprintf(error, error_len, "%s", e.message().c_str());
   return 1;
+}
+
+// Seating experts on the card (placement/slots.py): rows `ids[0..n)` of a host tensor whose rows
+// are `row_bytes` apart from `src` (pinned memory: the copies run at the link's speed, with no
+// staging copy on the host) copied one after the other into the device buffer at `dst`, in
+// device `ordinal`'s primary context. Synchronous: the buffer holds them when this returns. 0 on
+// success, else 1 with a message in `error`.
+int bloomery_ffi_rows_to_device(int ordinal, uint64_t dst, const uint8_t* src, const int64_t* ids, int64_t n,
+                                int64_t row_bytes, char* error, size_t error_len) {
+  const Driver& cu = Cuda();
+  auto fail = [&](const std::string& msg) {
+    snprintf(error, error_len, "%s", msg.c_str());
+    return 1;
+  };
+  if (!cu.error.empty()) return fail(cu.error);
+  int device = 0;
+  void* ctx = nullptr;
+  if (cu.init(0) != 0 || cu.device_get(&device, ordinal) != 0 || cu.primary_ctx_retain(&ctx, device) != 0)
+    return fail("no CUDA context for device " + std::to_string(ordinal));
+  if (cu.ctx_push(ctx) != 0) return fail("cannot make the CUDA context current");
+  CUresult r = 0;
+  for (int64_t j = 0; j < n && r == 0; ++j)
+    r = cu.memcpy_htod(dst + static_cast<uint64_t>(j * row_bytes), src + ids[j] * row_bytes,
+                       static_cast<size_t>(row_bytes));
+  void* popped = nullptr;
+  cu.ctx_pop(&popped);
+  if (r != 0) return fail("cuMemcpyHtoD failed (" + std::to_string(r) + ")");
+  return 0;
 }
 
 // Page-locked host memory usable by the device `ordinal`'s copies (cuMemHostAlloc, portable);

@@ -51,16 +51,15 @@ def seat_experts(params: dict, host, layer: int, slots, experts) -> int:
     pad = n - slots.size
     slots = np.concatenate([slots, np.repeat(slots[-1:], pad)])
     experts = np.concatenate([experts, np.repeat(experts[-1:], pad)])
-    src_layer = host.layers[layer]
     moved = 0
     for which in EXPERT_TENSORS:
         name = f"blk.{layer}.ffn_{which}_exps.weight"
         q = params[name]
-        src = getattr(src_layer, which).data  # [E, rows, row_bytes] view of the file
-        blocks = np.ascontiguousarray(src[experts])  # [n, rows, row_bytes]
-        moved += blocks[: n - pad].nbytes
+        device = (q.qs if isinstance(q, PackedWeight) else q.data).device
+        blocks = host.experts_on_card(layer, which, experts, device)  # [n, rows, row_bytes]
+        moved += blocks.nbytes // n * (n - pad)
         if isinstance(q, PackedWeight):  # kernels=pallas: repack the experts on the card, then write each field
-            new = repack_on_device(jax.device_put(blocks, q.qs.device), q.qtype, (n, *q.shape[1:]), layout=q.layout)
+            new = repack_on_device(blocks, q.qtype, (n, *q.shape[1:]), layout=q.layout)
             fields = {f: _write_rows(getattr(q, f), slots, getattr(new, f))
                       for f in ("qs", "d", "sc", "qh") if getattr(q, f) is not None}
             params[name] = dataclasses.replace(q, **fields)
