@@ -122,6 +122,20 @@ def _top(order: np.ndarray, n: int, n_experts: int) -> np.ndarray:
     return want
 
 
+def _displace(counts_row, want, order, hysteresis: float, margin: float) -> None:
+    """In place on bool ``want [E]``: hottest non-wanted experts against coldest wanted ones (by
+    ``order``, ids hottest first), the longest run of pairs whose count beats ``hysteresis``
+    times the other's plus ``margin`` changes sides."""
+    host_hot = order[~want[order]]  # host experts, hottest first
+    res_cold = order[::-1][want[order[::-1]]]  # residents, coldest first
+    m = min(host_hot.shape[0], res_cold.shape[0])
+    # Host counts fall and resident counts rise along the pairs, so the winners are a prefix.
+    wins = counts_row[host_hot[:m]] > hysteresis * counts_row[res_cold[:m]] + margin  # [m]
+    n = m if wins.all() else int(np.argmin(wins))
+    want[host_hot[:n]] = True
+    want[res_cold[:n]] = False
+
+
 class Policy:
     """Chooses a layer's card experts. ``decay`` is the per-step decay its counts should use."""
 
@@ -179,14 +193,7 @@ class LFU(Policy):
             want[order[~want[order]][:-extra]] = True
         if n_slots in (0, E):
             return want
-        host_hot = order[~want[order]]  # host experts, hottest first
-        res_cold = order[::-1][want[order[::-1]]]  # residents, coldest first
-        m = min(host_hot.shape[0], res_cold.shape[0])
-        # Host counts fall and resident counts rise along the pairs, so the winners are a prefix.
-        wins = c[host_hot[:m]] > self.hysteresis * c[res_cold[:m]] + self.margin  # [m]
-        n = m if wins.all() else int(np.argmin(wins))
-        want[host_hot[:n]] = True
-        want[res_cold[:n]] = False
+        _displace(c, want, order, self.hysteresis, self.margin)
         return want
 
 
@@ -417,14 +424,8 @@ class ResidencyController:
             row = self._slot_of[l]
             resident = row >= 0
             order = np.lexsort((ids, -self.counts.counts[l], ~resident, -prompt[l]))  # hottest first
-            host_hot = order[~resident[order]]
-            res_cold = order[::-1][resident[order[::-1]]]
-            m = min(host_hot.shape[0], res_cold.shape[0])
-            wins = prompt[l][host_hot[:m]] > hysteresis * prompt[l][res_cold[:m]] + margin  # a prefix wins
-            n = m if wins.all() else int(np.argmin(wins))
             want = resident.copy()
-            want[host_hot[:n]] = True
-            want[res_cold[:n]] = False
+            _displace(prompt[l], want, order, hysteresis, margin)
             swaps = _swaps_in_order(row, want, max_swaps_per_layer, order)
             if swaps:
                 plan[l] = swaps
