@@ -13,8 +13,9 @@ whose device events are summed by kernel name. Prints one JSON line:
                    (steps split at idle gaps over --step-gap-us): busy time plus the gaps between
                    kernels, which inside a CUDA graph are the graph's per-node cost
   timeline         the middle traced step's kernels in order: name, start offset and duration (us)
-Beside profile.json, events.json.gz keeps every event of the trace (host threads too), compact.
   kernels          the top --top kernels: name, calls and microseconds per step, share of busy time
+
+Beside profile.json, events.json.gz keeps every event of the trace (host threads too), compact.
 
   python scripts/profile_decode.py --model M.gguf --kernels pallas --out prof/   # GPU
   python scripts/profile_decode.py --tiny --out /tmp/prof                        # CPU smoke run
@@ -79,15 +80,19 @@ def timed_steps(engine, seq, n: int, block: int = 1) -> tuple[list[float], list[
     return dispatch, total
 
 
-def device_events(trace_dir: Path) -> list[dict]:
-    """Kernel events of the newest Perfetto trace under trace_dir: the stream threads ("Stream
-    #...") of processes named like /device:GPU:0, not their derived "XLA Ops"/"XLA Modules"
-    lines, which would count each kernel again; every complete event when there is no GPU (CPU)."""
+def trace_events(trace_dir: Path) -> list[dict]:
+    """The events of the newest Perfetto trace under trace_dir."""
     files = sorted(trace_dir.rglob("*.trace.json.gz"), key=lambda p: p.stat().st_mtime)
     if not files:
         raise SystemExit(f"no Perfetto trace under {trace_dir}")
     with gzip.open(files[-1], "rt") as f:
-        events = json.load(f)["traceEvents"]
+        return json.load(f)["traceEvents"]
+
+
+def device_events(events: list[dict]) -> list[dict]:
+    """Kernel events of a trace: the stream threads ("Stream #...") of processes named like
+    /device:GPU:0, not their derived "XLA Ops"/"XLA Modules" lines, which would count each
+    kernel again; every complete event when there is no GPU (CPU)."""
     names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
     gpu = {pid for pid, name in names.items() if "GPU" in name or "gpu" in name}
     if not gpu:
@@ -100,12 +105,9 @@ def device_events(trace_dir: Path) -> list[dict]:
             and (not streams or (e["pid"], e.get("tid")) in streams)]
 
 
-def save_events(trace_dir: Path, dest: Path) -> None:
-    """Every complete event of the newest trace (host threads too), compact, for reading offline:
+def save_events(events: list[dict], dest: Path) -> None:
+    """Every complete event of a trace (host threads too), compact, for reading offline:
     {"threads": {"pid/tid": "process / thread"}, "events": [[name, "pid/tid", ts us, dur us]]}."""
-    files = sorted(trace_dir.rglob("*.trace.json.gz"), key=lambda p: p.stat().st_mtime)
-    with gzip.open(files[-1], "rt") as f:
-        events = json.load(f)["traceEvents"]
     procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
     threads = {f"{e['pid']}/{e['tid']}": f"{procs.get(e['pid'], e['pid'])} / {e['args']['name']}" for e in events
                if e.get("ph") == "M" and e.get("name") == "thread_name"}
@@ -183,7 +185,8 @@ def main(argv=None):
     progress = Progress(sys.stderr, quiet=True)
     model, _, load_s = open_model(a.model, progress, a.place, "auto", a.kernels, a.attention, a.bridge,
                                    a.routing)
-    engine = Engine(model, n_slots=1, max_context=a.prompt + 3 * a.steps + 2 * a.decode_block + 8, ubatch=max(a.prompt, 16))
+    engine = Engine(model, n_slots=1, max_context=a.prompt + 3 * a.steps + 2 * a.decode_block + 8,
+                    ubatch=max(a.prompt, 16))
     seq = engine.add(np.random.default_rng(0).integers(0, engine.n_vocab, a.prompt).tolist(),
                      SamplingParams(temperature=0.0))
     while seq.pending > 1:
@@ -197,8 +200,9 @@ def main(argv=None):
         trace_dir = a.out / "trace"
         with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
             timed_steps(engine, seq, a.steps, a.decode_block)
-        save_events(trace_dir, a.out / "events.json.gz")
-        events = device_events(trace_dir)
+        everything = trace_events(trace_dir)
+        save_events(everything, a.out / "events.json.gz")
+        events = device_events(everything)
         busy_ms, kernels = summarize(events, a.steps, a.top)
         steps = split_steps(events, a.step_gap_us)
         n_split = len(steps)  # a.steps when the gap threshold separates exactly the steps
