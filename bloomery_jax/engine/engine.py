@@ -262,10 +262,13 @@ class Engine:
             active[s.slot] = True
         return tokens, positions, active
 
+    @property
+    def _hybrid(self) -> bool:
+        return self.placement is not None and self.placement.host is not None
+
     def _routing_read(self) -> bool:
         """Does anything read a step's routing on the host (trace, residency, hybrid counters)?"""
-        hybrid = self.placement is not None and self.placement.host is not None
-        return self.routing_trace is not None or self.residency is not None or hybrid
+        return self.routing_trace is not None or self.residency is not None or self._hybrid
 
     def _observe_routing(self, mask, seq: Sequence | None = None, prompt_done: bool = False,
                          experts=None) -> None:
@@ -273,9 +276,8 @@ class Engine:
         step's) to the trace recorder and the residency controller."""
         if not self._routing_read():
             return
-        hybrid = self.placement is not None and self.placement.host is not None
         experts = np.asarray(self.last_routing.experts if experts is None else experts)  # [L, B, T, k]
-        if hybrid:
+        if self._hybrid:
             card, routed = card_calls(self.placement.slot_of, experts[:, np.asarray(mask, bool)])  # real tokens
             if streams_host_experts(np.size(mask)):  # the step streamed its host experts: all on the card
                 card = routed

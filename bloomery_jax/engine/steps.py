@@ -56,7 +56,7 @@ class StepFunctions:
         self.forward = forward
         self.cfg = cfg
         self.n_top = n_top
-        self._spare: dict[int, tuple] = {}  # bucket -> the last decode's outputs, donated to the next
+        self._spare: dict = {}  # bucket (or block key) -> the last decode's outputs, donated to the next
 
     def prefill(self, params, cache, sampler, placement, tokens, positions, slot, last, final):
         return _prefill(self.forward, self.cfg, self.n_top, params, cache, sampler, placement,
@@ -65,11 +65,7 @@ class StepFunctions:
     def decode(self, params, cache, sampler, placement, tokens, positions, active):
         args = (params, cache, sampler, placement, tokens, positions, active)
         b = int(np.shape(tokens)[0])
-        spare = self._spare.pop(b, None)
-        if spare is None:  # the bucket's first step: zeros of the outputs' shapes, committed like them
-            shapes = jax.eval_shape(lambda *a: _decode_step(self.forward, self.cfg, self.n_top, *a)[2:], *args)
-            sharding = jax.tree.leaves(cache)[0].sharding
-            spare = jax.device_put(jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes), sharding)
+        spare = self._take_spare(b, lambda *a: _decode_step(self.forward, self.cfg, self.n_top, *a)[2:], args)
         cache, sampler, out, logits, routing = _decode(self.forward, self.cfg, self.n_top, *args, spare)
         self._spare[b] = (out, logits, routing)
         return cache, sampler, out, logits, routing
@@ -78,14 +74,20 @@ class StepFunctions:
         """n decode steps: ``(cache, sampler, SampleOut [n, ...], routing [n, ...])``."""
         args = (params, cache, sampler, placement, tokens, positions, active)
         key = ("block", int(np.shape(tokens)[0]), n)
-        spare = self._spare.pop(key, None)
-        if spare is None:
-            shapes = jax.eval_shape(lambda *a: _decode_steps(self.forward, self.cfg, self.n_top, n, *a)[2:], *args)
-            sharding = jax.tree.leaves(cache)[0].sharding
-            spare = jax.device_put(jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes), sharding)
+        spare = self._take_spare(key, lambda *a: _decode_steps(self.forward, self.cfg, self.n_top, n, *a)[2:], args)
         cache, sampler, out, routing = _decode_block(self.forward, self.cfg, self.n_top, n, *args, spare)
         self._spare[key] = (out, routing)
         return cache, sampler, out, routing
+
+    def _take_spare(self, key, outputs, args):
+        """The last outputs of the step ``key`` names, to donate; its first call gets zeros of the
+        shapes ``outputs(*args)`` has, committed like the real outputs (so nothing compiles twice)."""
+        spare = self._spare.pop(key, None)
+        if spare is None:
+            shapes = jax.eval_shape(outputs, *args)
+            sharding = jax.tree.leaves(args[1])[0].sharding  # the cache's
+            spare = jax.device_put(jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes), sharding)
+        return spare
 
     @staticmethod
     def set_row(sampler, slot, row):

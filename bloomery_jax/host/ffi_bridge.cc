@@ -270,6 +270,22 @@ ffi::Error HostMoeCuda(CUstream stream, int64_t slot, ffi::AnyBuffer packed, ffi
   return Enqueue(stream, checked->first, packed.untyped_data(), out->untyped_data(), checked->second);
 }
 
+// Runs `work` (returning a CUresult) with device `ordinal`'s primary context current; "" on
+// success, else what failed (`what` names the work).
+template <typename Work>
+std::string InContext(const Driver& cu, int ordinal, const std::string& what, Work work) {
+  if (!cu.error.empty()) return cu.error;
+  int device = 0;
+  void* ctx = nullptr;
+  if (cu.init(0) != 0 || cu.device_get(&device, ordinal) != 0 || cu.primary_ctx_retain(&ctx, device) != 0)
+    return "no CUDA context for device " + std::to_string(ordinal);
+  if (cu.ctx_push(ctx) != 0) return "cannot make the CUDA context current";
+  CUresult r = work();
+  void* popped = nullptr;
+  cu.ctx_pop(&popped);
+  return r == 0 ? "" : what + " failed (" + std::to_string(r) + ")";
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BloomeryHostMoeCpu, HostMoeCpu,
@@ -335,46 +351,28 @@ int bloomery_ffi_test_enqueue(int64_t slot, const void* x, const void* experts, 
 int bloomery_ffi_rows_to_device(int ordinal, uint64_t dst, const uint8_t* src, const int64_t* ids, int64_t n,
                                 int64_t row_bytes, char* error, size_t error_len) {
   const Driver& cu = Cuda();
-  auto fail = [&](const std::string& msg) {
-    snprintf(error, error_len, "%s", msg.c_str());
-    return 1;
-  };
-  if (!cu.error.empty()) return fail(cu.error);
-  int device = 0;
-  void* ctx = nullptr;
-  if (cu.init(0) != 0 || cu.device_get(&device, ordinal) != 0 || cu.primary_ctx_retain(&ctx, device) != 0)
-    return fail("no CUDA context for device " + std::to_string(ordinal));
-  if (cu.ctx_push(ctx) != 0) return fail("cannot make the CUDA context current");
-  CUresult r = 0;
-  for (int64_t j = 0; j < n && r == 0; ++j)
-    r = cu.memcpy_htod(dst + static_cast<uint64_t>(j * row_bytes), src + ids[j] * row_bytes,
-                       static_cast<size_t>(row_bytes));
-  void* popped = nullptr;
-  cu.ctx_pop(&popped);
-  if (r != 0) return fail("cuMemcpyHtoD failed (" + std::to_string(r) + ")");
-  return 0;
+  std::string failed = InContext(cu, ordinal, "cuMemcpyHtoD", [&] {
+    CUresult r = 0;
+    for (int64_t j = 0; j < n && r == 0; ++j)
+      r = cu.memcpy_htod(dst + static_cast<uint64_t>(j * row_bytes), src + ids[j] * row_bytes,
+                         static_cast<size_t>(row_bytes));
+    return r;
+  });
+  if (failed.empty()) return 0;
+  snprintf(error, error_len, "%s", failed.c_str());
+  return 1;
 }
 
 // Page-locked host memory usable by the device `ordinal`'s copies (cuMemHostAlloc, portable);
 // nullptr with a message in `error` (of `error_len` bytes) on failure.
 void* bloomery_ffi_pinned_alloc(int ordinal, size_t bytes, char* error, size_t error_len) {
   const Driver& cu = Cuda();
-  auto fail = [&](const std::string& msg) -> void* {
-    snprintf(error, error_len, "%s", msg.c_str());
-    return nullptr;
-  };
-  if (!cu.error.empty()) return fail(cu.error);
-  int device = 0;
-  void* ctx = nullptr;
   void* p = nullptr;
-  if (cu.init(0) != 0 || cu.device_get(&device, ordinal) != 0 || cu.primary_ctx_retain(&ctx, device) != 0)
-    return fail("no CUDA context for device " + std::to_string(ordinal));
-  if (cu.ctx_push(ctx) != 0) return fail("cannot make the CUDA context current");
-  CUresult r = cu.host_alloc(&p, bytes, 1 /* CU_MEMHOSTALLOC_PORTABLE */);
-  void* popped = nullptr;
-  cu.ctx_pop(&popped);
-  if (r != 0) return fail("cuMemHostAlloc of " + std::to_string(bytes) + " bytes failed (" + std::to_string(r) + ")");
-  return p;
+  std::string failed = InContext(cu, ordinal, "cuMemHostAlloc of " + std::to_string(bytes) + " bytes",
+                                 [&] { return cu.host_alloc(&p, bytes, 1 /* CU_MEMHOSTALLOC_PORTABLE */); });
+  if (failed.empty()) return p;
+  snprintf(error, error_len, "%s", failed.c_str());
+  return nullptr;
 }
 
 }  // extern "C"
