@@ -68,8 +68,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--attention", choices=ATTENTION, default="xla", help=ATTENTION_HELP)
     p.add_argument("--bridge", choices=BRIDGES, default="auto", help=BRIDGE_HELP)
     p.add_argument("--routing", choices=ROUTING, default="xla", help=ROUTING_HELP)
-    p.add_argument("--decode-block", type=int, default=1,
-                   help="decode steps per device call (Engine.decode_block; default 1)")
+    p.add_argument("--decode-block", type=int, default=0,
+                   help="decode steps per device call (Engine.decode_block; default 0: 8 on a GPU, 1 elsewhere)")
     add_residency_args(p)
     p.add_argument("--json", action="store_true", help="one JSON record per line instead of a table")
     p.add_argument("--no-compile-cache", action="store_true", help="do not use the persistent compilation cache")
@@ -177,6 +177,7 @@ def _chunks_used(engine, depth: int, n_prompt: int) -> list[int]:
 
 def run(argv: list[str] | None = None, out=None, err=None) -> list[dict]:
     """Run the benchmark; prints the table or JSON lines to ``out``; returns the records."""
+    from .engine.scheduler import resolve_decode_block
     from .engine.startup import Progress, enable_compile_cache, open_model
     from .witness import describe, source_witness
 
@@ -187,8 +188,9 @@ def run(argv: list[str] | None = None, out=None, err=None) -> list[dict]:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.reps < 1:
         raise ConfigError(f"--reps must be >= 1, got {args.reps}")
-    if args.decode_block < 1:
-        raise ConfigError(f"--decode-block must be >= 1, got {args.decode_block}")
+    if args.decode_block < 0:
+        raise ConfigError(f"--decode-block must be >= 0 (0: the device's default), got {args.decode_block}")
+    args.decode_block = resolve_decode_block(args.decode_block)
     if args.n_prompt == 0 and args.n_gen == 0:
         raise ConfigError("nothing to measure: -p and -n are both 0")
     if not args.no_compile_cache:

@@ -54,9 +54,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--attention", choices=ATTENTION, default="xla", help=ATTENTION_HELP)
     p.add_argument("--bridge", choices=BRIDGES, default="auto", help=BRIDGE_HELP)
     p.add_argument("--routing", choices=ROUTING, default="xla", help=ROUTING_HELP)
-    p.add_argument("--decode-block", type=int, default=1,
-                   help="decode steps per device call (default 1): the host's per-call work is paid once for "
-                        "that many tokens; tokens after a stop are computed and dropped")
+    p.add_argument("--decode-block", type=int, default=0,
+                   help="decode steps per device call (default 0: 8 on a GPU, 1 elsewhere): the host's per-call "
+                        "work is paid once for that many tokens; tokens after a stop are computed and dropped")
     add_residency_args(p)
     p.add_argument("--json", action="store_true", help="print token ids and timings as JSON")
     p.add_argument("--no-compile-cache", action="store_true", help="do not use the persistent compilation cache")
@@ -100,7 +100,7 @@ def run(argv: list[str] | None = None, out=None, err=None) -> dict:
     """Run the command (stream text to ``out``, progress to ``err``); returns the JSON record."""
     from .engine.engine import Engine
     from .engine.sampling import SamplingParams
-    from .engine.scheduler import Scheduler
+    from .engine.scheduler import Scheduler, resolve_decode_block
     from .engine.startup import (Progress, enable_compile_cache, make_trace, open_model, placement_stats,
                                  residency_from_args)
     from .engine.stops import StopConditions
@@ -110,8 +110,9 @@ def run(argv: list[str] | None = None, out=None, err=None) -> dict:
     args = _parser().parse_args(argv)
     if args.n_predict < 1:
         raise ConfigError(f"-n must be >= 1, got {args.n_predict}")
-    if args.decode_block < 1:
-        raise ConfigError(f"--decode-block must be >= 1, got {args.decode_block}")
+    if args.decode_block < 0:
+        raise ConfigError(f"--decode-block must be >= 0 (0: the device's default), got {args.decode_block}")
+    args.decode_block = resolve_decode_block(args.decode_block)
     if not args.no_compile_cache:
         enable_compile_cache()
     progress = Progress(err, quiet=args.quiet)

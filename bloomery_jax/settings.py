@@ -37,7 +37,7 @@ class RuntimeSettings:
     attention: str = "xla"  # decode attention: xla (jnp) | pallas (kernel on the cache buffer)
     bridge: str = "auto"  # host experts: callback (jax.pure_callback) | ffi (XLA FFI custom call) | auto
     routing: str = "xla"  # MoE routing: xla (jnp softmax + top-k) | pallas (one kernel)
-    decode_block: int = 1  # decode steps per device call while only generating (engine.scheduler)
+    decode_block: int = 0  # decode steps per device call while only generating; 0: 8 on a GPU, else 1
 
     def __post_init__(self):
         if self.kernels not in KERNELS:
@@ -52,10 +52,13 @@ class RuntimeSettings:
             raise ConfigError(f"RuntimeSettings.bridge must be one of {BRIDGES}, got {self.bridge!r}")
         if self.kv_dtype not in KV_DTYPES:
             raise ConfigError(f"RuntimeSettings.kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
-        for name in ("max_context", "ubatch", "parallel", "decode_block"):
+        for name in ("max_context", "ubatch", "parallel"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"RuntimeSettings.{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.decode_block, int) or self.decode_block < 0:
+            raise ConfigError(f"RuntimeSettings.decode_block must be 0 (the device's default) or a positive "
+                              f"integer, got {self.decode_block!r}")
         if self.ubatch > 4096:
             raise ConfigError(f"RuntimeSettings.ubatch must be at most 4096, got {self.ubatch}")
 

@@ -62,7 +62,7 @@ def test_depth_and_table(model_path):
     (["--parallel", "1,x"], "comma-separated"),
     (["--reps", "0"], "--reps"),
     (["--depth", "-1"], "--depth"),
-    (["--decode-block", "0"], "--decode-block"),
+    (["--decode-block", "-1"], "--decode-block"),
 ])
 def test_errors_are_one_line(argv, message, model_path, capsys):
     assert bench.main(["--model", model_path, *argv, *COMMON]) == 1

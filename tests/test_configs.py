@@ -40,7 +40,7 @@ def test_binding_overrides_file():
         ("RuntimeSettings.bridge = 'pipe'", "RuntimeSettings.bridge must be one of"),
         ("RuntimeSettings.routing = 'sort'", "RuntimeSettings.routing must be one of"),
         ("RuntimeSettings.attention = 'flash'", "RuntimeSettings.attention must be one of"),
-        ("RuntimeSettings.decode_block = 0", "RuntimeSettings.decode_block must be a positive integer"),
+        ("RuntimeSettings.decode_block = -1", "RuntimeSettings.decode_block must be 0"),
         ("RuntimeSettings.no_such_field = 1", "no_such_field"),
         ("RuntimeSettings.ubatch = ", "gin"),
     ],

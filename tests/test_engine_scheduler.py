@@ -13,7 +13,8 @@ import pytest
 
 from bloomery_jax.engine.engine import Engine
 from bloomery_jax.engine.sampling import SamplingParams
-from bloomery_jax.engine.scheduler import QueueFullError, Scheduler
+from bloomery_jax.engine.scheduler import QueueFullError, Scheduler, resolve_decode_block
+from bloomery_jax.engine import steps
 from bloomery_jax.engine.stops import StopConditions
 from bloomery_jax.errors import ConfigError
 from bloomery_jax.models.loader import load_model
@@ -145,3 +146,17 @@ def test_serve_forever_in_a_thread(sched):
     assert not t.is_alive()
     assert [len(r) for r in results] == [4, 4]
     assert results[0] == reqs[0].tokens and reqs[0].timings.decode_tps is not None
+
+
+def test_decode_block_setting_resolves_per_device():
+    # 0 is the device's default: 1 on the CPU these tests run on (8 on a GPU); others stand.
+    assert resolve_decode_block(0) == 1 and resolve_decode_block(3) == 3
+    with pytest.raises(ConfigError, match="decode_block must be >= 0"):
+        resolve_decode_block(-1)
+
+
+def test_step_compiler_options_yield_to_xla_flags(monkeypatch):
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    assert steps.compiler_options() == {"xla_gpu_enable_command_buffer": steps.COMMAND_BUFFER_TYPES}
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=FUSION")
+    assert steps.compiler_options() == {}

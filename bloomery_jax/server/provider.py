@@ -29,7 +29,7 @@ import traceback
 from typing import Callable
 
 from ..chat import CHATML_TEMPLATE, ChatTemplate
-from ..engine.scheduler import Event, QueueFullError, Scheduler
+from ..engine.scheduler import Event, QueueFullError, Scheduler, resolve_decode_block
 from ..errors import ConfigError
 from ..settings import RuntimeSettings
 from .errors import APIError, unavailable
@@ -142,7 +142,8 @@ class Provider:
         # shortest prefill chunk are enough to serve, the longer chunks compile while idle.
         first = engine.chunks if opts.full_warmup else engine.chunks[:1]
         self._cold_chunks = [] if opts.full_warmup else list(engine.chunks[1:])
-        secs = engine.warmup(progress=self.log, chunks=first, decode_block=st.decode_block)
+        block = resolve_decode_block(st.decode_block)
+        secs = engine.warmup(progress=self.log, chunks=first, decode_block=block)
         self.log(f"compiled {len(first)} prefill and {len(engine.buckets)} decode shapes in {secs:.1f} s"
                  + (f" ({len(self._cold_chunks)} longer prefill chunks compile while idle)"
                     if self._cold_chunks else ""))
@@ -150,7 +151,7 @@ class Provider:
         # The bound is enforced in submit() on the requests in flight (see there); the scheduler's
         # own bound, on requests not yet admitted, is only a backstop.
         self.scheduler = Scheduler(engine, detokenizer=tok.detokenizer, max_queue=opts.queue + parallel,
-                                   decode_block=st.decode_block)
+                                   decode_block=block)
         self._first_request(tok)
         name = os.path.basename(path)
         model_id = opts.alias or (name[: -len(".gguf")] if name.endswith(".gguf") else name)
