@@ -230,14 +230,17 @@ for r in ("gate", "up", "down"):
     assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b) and not np.shares_memory(a, b)
 np.testing.assert_array_equal(host_moe_swiglu(x, experts, weights, on_host, pinned),
                               host_moe_swiglu(x, experts, weights, on_host, layer))
-# seating: chosen experts' rows copied from the (pinned) host tensor into a device buffer
-src = layer.down.data  # [E, rows, row_bytes]
+# seating: the chosen experts' rows of the three tensors copied from the (pinned) host copy into
+# one device buffer, in the layout the portable gather gives
+import jax
+from bloomery_jax.host import ffi as ffi_module
+from bloomery_jax.host.bridge import HostBridge
 ids = np.array([5, 0, 5, E - 1], np.int64)
-dst = np.zeros((ids.size, *src.shape[1:]), src.dtype)
-row_bytes = src[0].nbytes
-assert lib.bloomery_ffi_rows_to_device(0, dst.ctypes.data, src.ctypes.data, ids.ctypes.data, ids.size, row_bytes,
-                                       err, len(err)) == 0, err.value
-np.testing.assert_array_equal(dst, src[ids])
+cpu = jax.devices("cpu")[0]
+ffi_module._on_cuda = lambda: True
+blocks = np.asarray(bridge.experts_on_card(5, ids, cpu))
+np.testing.assert_array_equal(blocks, np.asarray(HostBridge.experts_on_card(bridge, 5, ids, cpu)))
+assert blocks.size == ids.size * sum(getattr(layer, r).data[0].nbytes for r in ("gate", "up", "down"))
 st = bridge.stats
 assert st.calls == 3 and st.pairs == int(on_host[experts].sum()) * 2 + int(on_host[experts[:1]].sum()), st
 print("ok")

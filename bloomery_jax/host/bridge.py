@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .swiglu import HostExpertLayer, host_moe_swiglu
+from .swiglu import EXPERT_ROLES, HostExpertLayer, host_moe_swiglu
 
 
 # Cores the host experts leave to the threads that wait on the GPU (the step's, the CUDA driver's,
@@ -111,11 +111,14 @@ class HostBridge:
         data = jax.pure_callback(functools.partial(self._fetch, t), jax.ShapeDtypeStruct(t.data.shape, t.data.dtype))
         return QTensor(data, int(t.qtype), tuple(t.shape))
 
-    def experts_on_card(self, i: int, role: str, experts, device) -> jax.Array:
-        """Experts ``experts`` of layer ``i``'s ``role`` tensor, their blocks ``[n, rows,
-        row_bytes]`` on ``device`` (for seating them in card slots)."""
-        src = getattr(self.layers[i], role).data  # [E, rows, row_bytes] view of the file
-        return jax.device_put(np.ascontiguousarray(src[np.asarray(experts, np.int64)]), device)
+    def experts_on_card(self, i: int, experts, device) -> jax.Array:
+        """The blocks of experts ``experts`` of layer ``i``, for seating them in card slots: one
+        flat uint8 array on ``device``, gate's ``[n, rows, row_bytes]`` bytes, then up's, then
+        down's (one transfer for the three)."""
+        ids = np.asarray(experts, np.int64)
+        layer = self.layers[i]
+        return jax.device_put(np.concatenate([getattr(layer, r).data[ids].reshape(-1).view(np.uint8)
+                                              for r in EXPERT_ROLES]), device)
 
     def _fetch(self, t) -> np.ndarray:
         with self._lock:

@@ -36,12 +36,12 @@ import numpy as np
 from ..errors import ConfigError
 from . import ffi_layout as F
 from .bridge import BridgeStats, HostBridge
-from .swiglu import _TAB16, _TABBF, ROWS_PER_ITEM, HostExpertLayer, HostTensor, kernel_settings
+from .swiglu import _TAB16, _TABBF, EXPERT_ROLES, ROWS_PER_ITEM, HostExpertLayer, HostTensor, kernel_settings
 
 SOURCE = Path(__file__).resolve().parent / "ffi_bridge.cc"
 TARGET = "bloomery_host_moe"
 STREAM_TARGET = "bloomery_host_stream"
-ROLES = ("gate", "up", "down")  # the stream handler's role numbers
+ROLES = EXPERT_ROLES  # the stream handler's role numbers
 N_SLOTS = 1 << 16  # ffi_bridge.cc's kSlots
 
 
@@ -234,20 +234,23 @@ class FfiHostBridge(HostBridge):
         return QTensor(call(slot=np.int64(self._slots[i]), role=np.int64(ROLES.index(role))), int(t.qtype),
                        tuple(t.shape))
 
-    def experts_on_card(self, i: int, role: str, experts, device) -> jax.Array:
+    def experts_on_card(self, i: int, experts, device) -> jax.Array:
         """As :meth:`HostBridge.experts_on_card`; on a GPU each expert is copied from the pinned
-        host copy straight into a fresh device buffer (no gather into a staging copy first)."""
+        host copy straight into the fresh device buffer (no gather into a staging copy first)."""
         if not _on_cuda():
-            return super().experts_on_card(i, role, experts, device)
-        src = getattr(self.layers[i], role).data  # [E, rows, row_bytes] in pinned memory
+            return super().experts_on_card(i, experts, device)
         ids = np.ascontiguousarray(experts, np.int64)
-        out = jax.device_put(jnp.zeros((ids.size, *src.shape[1:]), src.dtype), device)
+        srcs = [getattr(self.layers[i], r).data for r in EXPERT_ROLES]  # [E, rows, row_bytes] in pinned memory
+        row_bytes = [s.nbytes // s.shape[0] for s in srcs]
+        out = jnp.zeros(ids.size * sum(row_bytes), jnp.uint8, device=device)
         out.block_until_ready()  # nothing of XLA's may still be writing it
         err = ctypes.create_string_buffer(256)
-        row_bytes = int(np.prod(src.shape[1:])) * src.dtype.itemsize
-        if self._lib.bloomery_ffi_rows_to_device(device.id, out.unsafe_buffer_pointer(), src.ctypes.data,
-                                                 ids.ctypes.data, ids.size, row_bytes, err, len(err)):
-            raise ConfigError(f"ffi host bridge: copying experts to the card: {err.value.decode()}")
+        dst = out.unsafe_buffer_pointer()
+        for src, nbytes in zip(srcs, row_bytes):
+            if self._lib.bloomery_ffi_rows_to_device(device.id, dst, src.ctypes.data, ids.ctypes.data, ids.size,
+                                                     nbytes, err, len(err)):
+                raise ConfigError(f"ffi host bridge: copying experts to the card: {err.value.decode()}")
+            dst += ids.size * nbytes
         return out
 
     def _pinned_layer(self, layer: HostExpertLayer) -> HostExpertLayer:

@@ -160,6 +160,9 @@ class HostTensor:
         return _readonly(self.data.view(np.uint8))
 
 
+EXPERT_ROLES = ("gate", "up", "down")  # a HostExpertLayer's tensors, in the order copies and handlers use
+
+
 @dataclasses.dataclass(eq=False)
 class HostExpertLayer:
     """The three expert tensors of one MoE layer: gate/up ``[E, F, D]``, down ``[E, D, F]``.
@@ -174,7 +177,7 @@ class HostExpertLayer:
     act: str = DEFAULT_ACT
 
     def __post_init__(self):
-        for role in ("gate", "up", "down"):
+        for role in EXPERT_ROLES:
             t = getattr(self, role)
             if t.qtype not in KERNEL_FORMATS:
                 have = ", ".join(q.name for q in KERNEL_FORMATS)

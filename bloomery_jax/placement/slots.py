@@ -2,9 +2,11 @@
 
 Contract. :func:`seat_experts` copies the blocks of the given experts from the host's copy
 (the GGUF file's bytes, held by the HostBridge) into the given slots of one layer's card
-expert buffers, in place: each buffer is donated to a jitted row update, so no second copy of
+expert buffers, in place: the buffers are donated to one jitted update, so no second copy of
 the layer's card experts is ever allocated. The slot table is the caller's to change.
 
+A layer's seat is one transfer (the three tensors' blocks in one buffer) and one device call
+(repack and row writes of all three), so a step's swaps cost a call per layer, not per field.
 The number of rows written is padded up to a power of two (repeating the last pair, which
 writes the same bytes twice), so a handful of shapes compile, whatever the swap count.
 """
@@ -17,18 +19,37 @@ import functools
 import jax
 import numpy as np
 
+from ..host.swiglu import EXPERT_ROLES
 from ..quant.repack import PackedWeight, repack_on_device
-
-EXPERT_TENSORS = ("gate", "up", "down")
-
-
-@functools.partial(jax.jit, donate_argnums=0)
-def _write_rows(buf: jax.Array, rows: jax.Array, values: jax.Array) -> jax.Array:
-    return buf.at[rows].set(values, unique_indices=False)  # [n_slots, ...]
 
 
 def _padded(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+@functools.partial(jax.jit, static_argnums=3, donate_argnums=0)
+def _seat(weights: tuple, slots: jax.Array, blocks: jax.Array, forms: tuple) -> tuple:
+    """``weights`` (the layer's gate, up, down: QTensor or PackedWeight) with rows ``slots`` [n]
+    replaced by the experts in ``blocks``: flat uint8, each tensor's ``[n, *shape]`` in turn, for
+    its ``(shape, dtype)`` in ``forms``."""
+    n = slots.shape[0]
+    out, at = [], 0
+    for w, (shape, dtype) in zip(weights, forms):
+        itemsize = np.dtype(dtype).itemsize
+        size = n * int(np.prod(shape)) * itemsize
+        raw = blocks[at:at + size]
+        at += size
+        if itemsize == 1:
+            b = raw.reshape(n, *shape).view(dtype)  # [n, rows, row_bytes] blocks
+        else:  # f32 / f16 / bf16 bits experts
+            b = jax.lax.bitcast_convert_type(raw.reshape(n, *shape, itemsize), dtype)
+        if isinstance(w, PackedWeight):  # kernels=pallas: repack the experts on the card, then write each field
+            new = repack_on_device(b, w.qtype, (n, *w.shape[1:]), layout=w.layout)
+            out.append(dataclasses.replace(w, **{f: getattr(w, f).at[slots].set(getattr(new, f))
+                                                 for f in ("qs", "d", "sc", "qh") if getattr(w, f) is not None}))
+        else:
+            out.append(dataclasses.replace(w, data=w.data.at[slots].set(b)))
+    return tuple(out)
 
 
 def seat_experts(params: dict, host, layer: int, slots, experts) -> int:
@@ -51,21 +72,14 @@ def seat_experts(params: dict, host, layer: int, slots, experts) -> int:
     pad = n - slots.size
     slots = np.concatenate([slots, np.repeat(slots[-1:], pad)])
     experts = np.concatenate([experts, np.repeat(experts[-1:], pad)])
-    moved = 0
-    for which in EXPERT_TENSORS:
-        name = f"blk.{layer}.ffn_{which}_exps.weight"
-        q = params[name]
-        device = (q.qs if isinstance(q, PackedWeight) else q.data).device
-        blocks = host.experts_on_card(layer, which, experts, device)  # [n, rows, row_bytes]
-        moved += blocks.nbytes // n * (n - pad)
-        if isinstance(q, PackedWeight):  # kernels=pallas: repack the experts on the card, then write each field
-            new = repack_on_device(blocks, q.qtype, (n, *q.shape[1:]), layout=q.layout)
-            fields = {f: _write_rows(getattr(q, f), slots, getattr(new, f))
-                      for f in ("qs", "d", "sc", "qh") if getattr(q, f) is not None}
-            params[name] = dataclasses.replace(q, **fields)
-        else:
-            params[name] = dataclasses.replace(q, data=_write_rows(q.data, slots, blocks))
-    return moved
+    names = [f"blk.{layer}.ffn_{role}_exps.weight" for role in EXPERT_ROLES]
+    weights = tuple(params[name] for name in names)
+    first = weights[0]
+    device = (first.qs if isinstance(first, PackedWeight) else first.data).device
+    forms = tuple((t.data.shape[1:], t.data.dtype.str) for t in (getattr(host.layers[layer], r) for r in EXPERT_ROLES))
+    blocks = host.experts_on_card(layer, experts, device)
+    params.update(zip(names, _seat(weights, slots, blocks, forms)))
+    return blocks.nbytes // n * (n - pad)
 
 
 class LiveResidency:
