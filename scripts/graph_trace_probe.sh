@@ -11,10 +11,10 @@
 #   graph    the trace with the graphs kept
 #   opbyop   the trace as XLA does it by default (kernels launched one by one)
 #   dump     no trace; XLA's thunk sequence of the decode module (what the graph holds)
-#   block8   as graph, eight decode steps a device call (--decode-block 8, a while loop)
-#   nocond   as graph with XLA's own command buffer types: the loop and the sampler's conditional
-#            outside the graph, so the host reads their predicates back (the steps' default adds
-#            WHILE and CONDITIONAL: engine/steps.py COMPILER_OPTIONS)
+#   block8   as graph, eight decode steps a device call (--decode-block 8): a while loop
+#   block8_dev  as block8, with loops and conditionals allowed as CUDA graph nodes too (command
+#            buffer types WHILE and CONDITIONAL). In the tenth session's trace they stayed on the
+#            host (the loop's body holds the cub sorts of the sampler and the top-n logprobs)
 #
 #   run: bash scripts/graph_trace_probe.sh   (carry .whl and, to build llama.cpp, .baseline;
 #        BUILD=0 skips the build and the 48-layer file; writes under $OUT). The build and the
@@ -41,9 +41,9 @@ declare -A FLAGS=(
   [opbyop]=""
   [dump]="--xla_dump_to=/tmp/gtp-dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*"
   [block8]="--xla_enable_command_buffers_during_profiling=true"
-  [nocond]="--xla_enable_command_buffers_during_profiling=true --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"
+  [block8_dev]="--xla_enable_command_buffers_during_profiling=true --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
 )
-for v in graph block8 nocond dump opbyop; do
+for v in graph block8 block8_dev dump opbyop; do
   [ $SECONDS -gt 450 ] && { echo "$v: skipped, the call's time is nearly spent"; continue; }
   trace=""; [ $v = dump ] && trace="--no-trace"
   [[ $v == block8* ]] && trace="--decode-block 8"

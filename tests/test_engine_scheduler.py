@@ -14,7 +14,6 @@ import pytest
 from bloomery_jax.engine.engine import Engine
 from bloomery_jax.engine.sampling import SamplingParams
 from bloomery_jax.engine.scheduler import QueueFullError, Scheduler, resolve_decode_block
-from bloomery_jax.engine import steps
 from bloomery_jax.engine.stops import StopConditions
 from bloomery_jax.errors import ConfigError
 from bloomery_jax.models.loader import load_model
@@ -154,9 +153,3 @@ def test_decode_block_setting_resolves_per_device():
     with pytest.raises(ConfigError, match="decode_block must be >= 0"):
         resolve_decode_block(-1)
 
-
-def test_step_compiler_options_yield_to_xla_flags(monkeypatch):
-    monkeypatch.delenv("XLA_FLAGS", raising=False)
-    assert steps.compiler_options() == {"xla_gpu_enable_command_buffer": steps.COMMAND_BUFFER_TYPES}
-    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=FUSION")
-    assert steps.compiler_options() == {}

@@ -15,7 +15,7 @@ import pytest
 
 from bloomery_jax.engine.engine import Engine
 from bloomery_jax.engine.sampling import SamplingParams
-from bloomery_jax.engine.steps import _decode, _prefill
+from bloomery_jax.engine.steps import _decode, _decode_block, _prefill
 from bloomery_jax.models.loader import load_model
 from bloomery_jax.placement.residency import LFU
 from bloomery_jax.placement.slots import LiveResidency
@@ -44,26 +44,28 @@ def path(synth_model):
     return synth_model(qtype="Q8_0", seed=4, route_skew=3.0, **SHAPE)[0]
 
 
-def run(path, residency: str, kernels: str = "reference"):
-    """Greedy tokens of two prompts decoded together, and the per-step card-served fractions."""
+def run(path, residency: str, kernels: str = "reference", block: int = 1):
+    """Greedy tokens of two prompts decoded together, ``block`` steps a call, and the card-served
+    fraction of each call's last step."""
     model = load_model(path, place=FirstPerLayer(SHAPE["n_experts"] // 4), kernels=kernels)
     live = None
     if residency != "off":
         live = LiveResidency.for_model(model, LFU(decay=0.9, hysteresis=1.0, margin=0.0), prompt_streaming=residency == "stream")
     eng = Engine(model, n_slots=2, max_context=64, ubatch=16, min_chunk=16, residency=live)
-    eng.warmup()
-    compiled = (_prefill._cache_size(), _decode._cache_size())
+    eng.warmup(decode_block=block)
+    compiled = (_prefill._cache_size(), _decode._cache_size(), _decode_block._cache_size())
     rng = np.random.default_rng(0)
     seqs = [eng.add(rng.integers(0, SHAPE["n_vocab"], n).tolist(), GREEDY) for n in (21, 9)]
     for s in seqs:
         while s.pending > 1:
             eng.prefill(s)
     fractions = []
-    for _ in range(N_NEW):
+    for _ in range(N_NEW // block):
         table = np.asarray(eng.placement.slot_of)
-        eng.decode(seqs)
+        eng.decode_block(seqs, block)
         fractions.append(card_fraction(table, np.asarray(eng.last_routing.experts)[:, :2]))
-    assert (_prefill._cache_size(), _decode._cache_size()) == compiled, "a placement change recompiled"
+    assert (_prefill._cache_size(), _decode._cache_size(), _decode_block._cache_size()) == compiled, \
+        "a placement change recompiled"
     return [s.tokens for s in seqs], np.array(fractions), live
 
 
@@ -79,6 +81,15 @@ def test_tokens_identical_with_and_without_residency(path):
     # Skewed routing: counting it must seat the hot experts the static first-quarter misses.
     assert frac_swap[-8:].mean() > frac_off[-8:].mean()
     assert frac_stream[:4].mean() >= frac_swap[:4].mean()
+
+
+def test_residency_swaps_between_decode_blocks(path):
+    """Blocks of four decode steps a call: the block's routing is counted step by step and the
+    swaps are seated after it; the tokens stay those of the engine without residency."""
+    tokens_off, _, _ = run(path, "off")
+    tokens_block, _, live = run(path, "swap", block=4)
+    assert live.controller.swaps_total > 0
+    assert tokens_block == tokens_off
 
 
 def test_residency_needs_host_experts(path):

@@ -187,6 +187,18 @@ def test_greedy_rows_unchanged_by_sampling_rows_beside_them():
     assert np.array_equal(a, np.argmax(np.asarray(logits), axis=1))
 
 
+@pytest.mark.parametrize("greedy_rows", [B, B // 2])
+def test_branch_free_sampler_draws_the_same_tokens(greedy_rows):
+    # The GPU's sampler (no conditional) against the branching one, all-greedy and mixed batches.
+    rng = np.random.default_rng(5)
+    logits = jnp.asarray(rng.standard_normal((B, V)).astype(np.float32))
+    cases = [(S.SamplingParams(temperature=0.0 if b < greedy_rows else 0.8, top_k=40, top_p=0.9, seed=b), (), ())
+             for b in range(B)]
+    rows = rows_of(cases)
+    fn = jax.jit(S.sample_tokens, static_argnames="branch_free")
+    assert np.array_equal(np.asarray(fn(logits, rows, branch_free=True)), np.asarray(fn(logits, rows, branch_free=False)))
+
+
 def test_logprobs_report_raw_distribution():
     rng = np.random.default_rng(5)
     logits = rng.standard_normal((B, V)).astype(np.float32) * 3

@@ -222,11 +222,11 @@ class Engine:
     def decode_block(self, seqs: Seq[Sequence], n: int) -> list[list[Sampled]]:
         """n tokens for each sequence in one device call (``StepFunctions.decode_block``): the
         same tokens, cache and sampler state as n :meth:`decode` calls, one list per step. The
-        caller drops what follows a sequence's stop. With adaptive residency, n decode calls
-        (experts are swapped between steps)."""
+        caller drops what follows a sequence's stop. Adaptive residency counts every step's
+        routing and swaps experts after the block."""
         if n < 1:
             raise ValueError(f"decode_block needs n >= 1, got {n}")
-        if n == 1 or self.residency is not None or not seqs:
+        if n == 1 or not seqs:
             return [self.decode(seqs) for _ in range(n)]
         tokens, positions, active = self._decode_inputs(seqs, n)
         self.cache, self.sampler, out, routing = self.steps.decode_block(
@@ -240,7 +240,7 @@ class Engine:
             for s in seqs:
                 s.n_cached += 1
             if experts is not None:
-                self._observe_routing(active[:, None], experts=experts[j])
+                self._observe_routing(active[:, None], experts=experts[j], swap=j == n - 1)
             result.append(self._sampled(seqs, [field[j] for field in host_out], rows))
         return result
 
@@ -271,9 +271,10 @@ class Engine:
         return self.routing_trace is not None or self.residency is not None or self._hybrid
 
     def _observe_routing(self, mask, seq: Sequence | None = None, prompt_done: bool = False,
-                         experts=None) -> None:
+                         experts=None, swap: bool = True) -> None:
         """Count card-served calls; hand the routing (``experts`` [L, B, T, k], default the last
-        step's) to the trace recorder and the residency controller."""
+        step's) to the trace recorder and the residency controller (which swaps experts only
+        when ``swap``: after a block's last step)."""
         if not self._routing_read():
             return
         experts = np.asarray(self.last_routing.experts if experts is None else experts)  # [L, B, T, k]
@@ -287,7 +288,7 @@ class Engine:
             self.routing_trace.append(experts, "prefill" if seq is not None else "decode", mask)
         if self.residency is not None:
             self.residency.after_step(self, experts, mask, prompt_key=None if seq is None else id(seq),
-                                      prompt_done=prompt_done)
+                                      prompt_done=prompt_done, swap=swap)
 
     def _record(self, seqs, out: sampling.SampleOut, rows=None) -> list[Sampled]:
         # all four copies started before any wait
@@ -327,7 +328,7 @@ class Engine:
         chunks = self.chunks if chunks is None else chunks
         buckets = self.buckets if buckets is None else buckets
         todo = ([("prefill", T) for T in chunks] + [("decode", b) for b in buckets]
-                + [("decode block", b) for b in (buckets if decode_block > 1 and self.residency is None else [])])
+                + [("decode block", b) for b in (buckets if decode_block > 1 else [])])
         for i, (kind, n) in enumerate(todo):
             if progress:
                 progress(f"compiling {kind} {n} ({i + 1}/{len(todo)}, {time.perf_counter() - t0:.1f} s)")

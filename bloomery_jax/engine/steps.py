@@ -26,16 +26,11 @@ address from step to step. Why: the step runs as a CUDA graph, and XLA re-record
 node whose buffers moved since the last run (on the H200, 106 of an 8-layer step's 266 nodes,
 0.5-0.9 ms a step, while the outputs were fresh buffers: docs/LOG.md, 2026-12-04). Read what you
 need from one step (the engine copies the token and the routing to the host) before the next.
-
-The steps compile with loops and conditionals as CUDA graph nodes too (:data:`COMPILER_OPTIONS`),
-so that neither the sampler's all-greedy test nor a decode block's loop makes the host read a
-predicate back and launch the rest of the step in pieces.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -43,21 +38,6 @@ import numpy as np
 
 from . import sampling
 from .cache import SlotCache
-
-# XLA's default command buffer types (jax 0.11) with WHILE and CONDITIONAL added: the H200's
-# 8-layer card decode step went from 2.60 to 1.38 ms, the 48-layer card tg128 from ~76 to 104
-# tok/s, 147 with blocks of 8 (benchmarks/gpu_2026-12-04-s10). A command-buffer setting in
-# XLA_FLAGS is the user's and wins. Other backends ignore the option.
-COMMAND_BUFFER_TYPES = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
-
-
-def compiler_options() -> dict[str, str]:
-    if "xla_gpu_enable_command_buffer" in os.environ.get("XLA_FLAGS", ""):
-        return {}
-    return {"xla_gpu_enable_command_buffer": COMMAND_BUFFER_TYPES}
-
-
-COMPILER_OPTIONS = compiler_options()
 
 
 class StepFunctions:
@@ -122,7 +102,7 @@ _STATIC = ("forward", "cfg", "n_top")
 _DONATE = ("cache", "sampler")
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=_DONATE, compiler_options=COMPILER_OPTIONS)
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=_DONATE)
 def _prefill(forward, cfg, n_top, params, cache: SlotCache, sampler, placement, tokens, positions, slot, last,
              final):
     n_slots = cache.n_slots
@@ -147,8 +127,7 @@ def _decode_step(forward, cfg, n_top, params, cache: SlotCache, sampler, placeme
 
 # ``spare``: the previous step's outputs, unread; donated so that XLA writes this step's outputs
 # into them. jit drops unread arguments unless told to keep them, and a dropped one aliases nothing.
-@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=_DONATE + ("spare",), keep_unused=True,
-                   compiler_options=COMPILER_OPTIONS)
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=_DONATE + ("spare",), keep_unused=True)
 def _decode(forward, cfg, n_top, params, cache: SlotCache, sampler, placement, tokens, positions, active, spare):
     del spare
     return _decode_step(forward, cfg, n_top, params, cache, sampler, placement, tokens, positions, active)
@@ -167,7 +146,7 @@ def _decode_steps(forward, cfg, n_top, n, params, cache, sampler, placement, tok
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("n",), donate_argnames=_DONATE + ("spare",),
-                   keep_unused=True, compiler_options=COMPILER_OPTIONS)
+                   keep_unused=True)
 def _decode_block(forward, cfg, n_top, n, params, cache: SlotCache, sampler, placement, tokens, positions, active,
                   spare):
     del spare  # as for _decode: the last block's outputs, so this block's keep their addresses

@@ -121,7 +121,7 @@ class LiveResidency:
         return cls(controller, placement.host, **kwargs)
 
     def after_step(self, engine, routing_experts, mask, *, prompt_key: int | None = None,
-                   prompt_done: bool = False) -> None:
+                   prompt_done: bool = False, swap: bool = True) -> None:
         """Observe a step and apply the resulting swaps to ``engine`` (params and placement).
 
         Args:
@@ -129,6 +129,8 @@ class LiveResidency:
           mask: bool ``[B, T]``, the real (non-padding) tokens.
           prompt_key: for a prefill chunk, a key of the sequence whose prompt it belongs to.
           prompt_done: this chunk ended that prompt.
+          swap: for a decode step, plan and seat swaps now (False inside a decode block: the
+            block's steps all ran with one placement, so it swaps after the last).
         """
         import time
 
@@ -146,8 +148,10 @@ class LiveResidency:
                 return
             # an LFU's ratio applies to the prompt's counts too (its margin is in decayed calls)
             plan = self.controller.prompt_plan(prompt, hysteresis=getattr(self.controller.policy, "hysteresis", 1.0))
-        else:
+        elif swap:
             plan = self.controller.step_plan(self.max_swaps_per_layer)
+        else:
+            plan = {}
         if plan:
             for layer, swaps in plan.items():
                 seat_experts(engine.params, self.host, layer, [s.slot for s in swaps], [s.in_expert for s in swaps])
