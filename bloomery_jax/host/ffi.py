@@ -41,7 +41,6 @@ from .swiglu import _TAB16, _TABBF, EXPERT_ROLES, ROWS_PER_ITEM, HostExpertLayer
 SOURCE = Path(__file__).resolve().parent / "ffi_bridge.cc"
 TARGET = "bloomery_host_moe"
 STREAM_TARGET = "bloomery_host_stream"
-ROLES = EXPERT_ROLES  # the stream handler's role numbers
 N_SLOTS = 1 << 16  # ffi_bridge.cc's kSlots
 
 
@@ -231,7 +230,7 @@ class FfiHostBridge(HostBridge):
 
         t = getattr(self.layers[i], role)
         call = jax.ffi.ffi_call(STREAM_TARGET, jax.ShapeDtypeStruct(t.data.shape, t.data.dtype))
-        return QTensor(call(slot=np.int64(self._slots[i]), role=np.int64(ROLES.index(role))), int(t.qtype),
+        return QTensor(call(slot=np.int64(self._slots[i]), role=np.int64(EXPERT_ROLES.index(role))), int(t.qtype),
                        tuple(t.shape))
 
     def experts_on_card(self, i: int, experts, device) -> jax.Array:
