@@ -686,20 +686,34 @@ def decode_row(fmt, kind, row, wq, wsc, wm, wdm, wf, tab16, tabbf):
 
 
 @njit(**_JIT)
+def _mdot_f32(wf, ids, X, res):
+    """:func:`mdot` for float32 activations (fast-math: its reductions are vectorized)."""
+    n = ids.shape[0]
+    n4 = n - n % 4
+    for i in range(0, n4, 4):
+        res[i], res[i + 1], res[i + 2], res[i + 3] = _fdot4(wf, X[ids[i]], X[ids[i + 1]], X[ids[i + 2]], X[ids[i + 3]])
+    for i in range(n4, n):
+        res[i] = _fdot1(wf, X[ids[i]])
+
+
+# Not fast-math: the integer block sums vectorize without it, and its float part (a few scalar
+# products a block) must round one way. A non-inlined callee is linked as a weak copy into every
+# caller's module and optimized again there; under fast-math that copy may reassociate
+# ``xd * d * s`` differently (it did: LLVM 22, the layer kernel's copy of _kdot1), and which copy
+# runs depends on load order: a fresh compile runs this function's own code, a process that
+# loads the layer kernel from the disk cache its copy (last bits differed, ~15 % of outputs).
+@njit(**_JIT_EXACT)
 def mdot(fmt, kind, wq, wsc, wm, wdm, wf, ids, X, XQK, XDK, XBK, XQ0, XD0, res):
     """``res[i]`` = the decoded row · activation row ``ids[i]`` (in the form ``kind`` reads).
 
     Four tokens a pass (each weight vector loaded once for four products, four reductions),
     then the rest one by one; each token's sum is the same expression either way.
     """
+    if kind == 0:
+        _mdot_f32(wf, ids, X, res)
+        return
     n = ids.shape[0]
     n4 = n - n % 4
-    if kind == 0:
-        for i in range(0, n4, 4):
-            res[i], res[i + 1], res[i + 2], res[i + 3] = _fdot4(wf, X[ids[i]], X[ids[i + 1]], X[ids[i + 2]], X[ids[i + 3]])
-        for i in range(n4, n):
-            res[i] = _fdot1(wf, X[ids[i]])
-        return
     if kind == 1:
         mins = fmt == Q4_K or fmt == Q5_K
         for i in range(0, n4, 4):
