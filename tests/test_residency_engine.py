@@ -89,6 +89,7 @@ def test_residency_swaps_between_decode_blocks(path):
     tokens_off, _, _ = run(path, "off")
     tokens_block, _, live = run(path, "swap", block=4)
     assert live.controller.swaps_total > 0
+    assert 0 < live.stats()["layer_seats"] <= SHAPE["n_layers"] * (N_NEW // 4 + 2)  # after blocks (and prompts) only
     assert tokens_block == tokens_off
 
 

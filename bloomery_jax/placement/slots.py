@@ -105,6 +105,7 @@ class LiveResidency:
         self.max_swaps_per_layer = max_swaps_per_layer
         self._prompt: dict[int, list[np.ndarray]] = {}  # sequence key -> routing of its prompt chunks [L, n, k]
         self.seconds = 0.0  # spent seating experts
+        self.layer_seats = 0  # seat_experts calls (one a layer with swaps, a device call each)
 
     @classmethod
     def for_model(cls, model, policy=None, **kwargs) -> "LiveResidency":
@@ -153,6 +154,7 @@ class LiveResidency:
         else:
             plan = {}
         if plan:
+            self.layer_seats += len(plan)
             for layer, swaps in plan.items():
                 seat_experts(engine.params, self.host, layer, [s.slot for s in swaps], [s.in_expert for s in swaps])
             from .table import Placement
@@ -166,4 +168,4 @@ class LiveResidency:
         self._prompt.pop(prompt_key, None)
 
     def stats(self) -> dict:
-        return dict(self.controller.stats(), seat_seconds=self.seconds)
+        return dict(self.controller.stats(), seat_seconds=self.seconds, layer_seats=self.layer_seats)
