@@ -188,9 +188,7 @@ def run(argv: list[str] | None = None, out=None, err=None) -> list[dict]:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.reps < 1:
         raise ConfigError(f"--reps must be >= 1, got {args.reps}")
-    if args.decode_block < 0:
-        raise ConfigError(f"--decode-block must be >= 0 (0: the device's default), got {args.decode_block}")
-    args.decode_block = resolve_decode_block(args.decode_block)
+    args.decode_block = resolve_decode_block(args.decode_block, "--decode-block")
     if args.n_prompt == 0 and args.n_gen == 0:
         raise ConfigError("nothing to measure: -p and -n are both 0")
     if not args.no_compile_cache:

@@ -110,9 +110,7 @@ def run(argv: list[str] | None = None, out=None, err=None) -> dict:
     args = _parser().parse_args(argv)
     if args.n_predict < 1:
         raise ConfigError(f"-n must be >= 1, got {args.n_predict}")
-    if args.decode_block < 0:
-        raise ConfigError(f"--decode-block must be >= 0 (0: the device's default), got {args.decode_block}")
-    args.decode_block = resolve_decode_block(args.decode_block)
+    args.decode_block = resolve_decode_block(args.decode_block, "--decode-block")
     if not args.no_compile_cache:
         enable_compile_cache()
     progress = Progress(err, quiet=args.quiet)

@@ -117,11 +117,12 @@ class Request:
 AUTO_DECODE_BLOCK = {"gpu": 8}
 
 
-def resolve_decode_block(n: int) -> int:
+def resolve_decode_block(n: int, name: str = "decode_block") -> int:
     """Decode steps per device call for a setting ``n``: itself, or for 0 the default block of
-    the default backend's platform (8 on a GPU, 1 elsewhere)."""
+    the default backend's platform (8 on a GPU, 1 elsewhere). ``name``: the setting's name in
+    the error a negative ``n`` raises."""
     if n < 0:
-        raise ConfigError(f"decode_block must be >= 0 (0: the device's default), got {n}")
+        raise ConfigError(f"{name} must be >= 0 (0: the device's default), got {n}")
     if n:
         return n
     import jax
