@@ -8,8 +8,8 @@ A forward step sees a *window* of ``rows`` consecutive slots starting at ``start
 int32, so moving the window never recompiles; ``rows`` is static): row ``b`` of the step's
 tokens reads and writes slot ``start + b``. The window offers the interface the model forwards
 use (models/kv_cache.py's): ``write(layer, k, v, positions)``, ``layer(i)``, ``mask(positions)``,
-``attend_one(layer, q, positions, scale)``, ``with_lengths(positions)``, ``lengths`` and
-``max_len``. Positions outside ``[0, S)`` are padding: nothing is stored for them and the
+``write_one_normed``, ``attend_one(layer, q, positions, scale)``, ``with_lengths(positions)``,
+``lengths`` and ``max_len``. Positions outside ``[0, S)`` are padding: nothing is stored for them and the
 lengths do not move.
 
 The whole cache is one pytree: pass it into the jitted step and donate it, and XLA updates the
@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from ..ops.attention import causal_mask
 from ..ops.qmatmul import interpret_kernels
 from ..pallas.attention import cache_decode_attention
+from ..pallas.attn_prep import cache_qk_prep
 
 KV_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -92,6 +93,12 @@ class SlotCache:
         new_k = self.k.at[layer, slot, pos].set(k.astype(self.k.dtype), mode="drop")
         new_v = self.v.at[layer, slot, pos].set(v.astype(self.v.dtype), mode="drop")
         return dataclasses.replace(self, k=new_k, v=new_v)
+
+    def write_one_normed(self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array, norms, rope,
+                         positions: jax.Array) -> tuple[jax.Array, "SlotCache"]:
+        """The window's one-token queries and cache by one kernel: as ``KVCache.write_one_normed``
+        (models/kv_cache.py), row ``b`` written to slot ``start + b``."""
+        return cache_qk_prep(self, layer, self.start, q, k, v, norms, rope, positions, interpret=interpret_kernels())
 
     def layer(self, i: int) -> tuple[jax.Array, jax.Array]:
         """Keys and values of layer ``i`` for the window: ``[B, S, Hkv, Dh]`` each, as float32."""

@@ -9,7 +9,7 @@ use position ``S``).
 It is a pytree passed into and returned from the jitted step (donate it). The engine issue
 replaces it with a paged cache behind the same operations the model uses:
 ``write(layer, k, v, positions)``, ``layer(i)``, ``mask(positions)`` and, for one-token steps
-with the Pallas attention, ``attend_one(layer, q, positions, scale)``.
+with the Pallas attention, ``write_one_normed`` and ``attend_one(layer, q, positions, scale)``.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from ..ops.attention import causal_mask
 from ..ops.qmatmul import interpret_kernels
 from ..pallas.attention import cache_decode_attention
+from ..pallas.attn_prep import cache_qk_prep
 
 
 @jax.tree_util.register_dataclass
@@ -64,6 +65,14 @@ class KVCache:
         new_k = self.k.at[layer, b, slot].set(k.astype(jnp.float32), mode="drop")
         new_v = self.v.at[layer, b, slot].set(v.astype(jnp.float32), mode="drop")
         return dataclasses.replace(self, k=new_k, v=new_v)
+
+    def write_one_normed(self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array, norms, rope,
+                         positions: jax.Array) -> tuple[jax.Array, "KVCache"]:
+        """A one-token step's queries and cache by one kernel (``pallas.attn_prep``): q and k
+        ``[B, H, Dh]`` RMS-normed per head (``norms = (q_norm, k_norm, eps)``) and NeoX-rotated
+        (``rope = (cos, sin)``, ``[B, Dh/2]``), k and v stored at ``positions [B]`` as ``write``
+        stores them. Returns float32 ``[B, Hq, Dh]`` queries and the cache."""
+        return cache_qk_prep(self, layer, 0, q, k, v, norms, rope, positions, interpret=interpret_kernels())
 
     def layer(self, i: int) -> tuple[jax.Array, jax.Array]:
         """Keys and values of layer ``i``: float32 ``[B, S, Hkv, Dh]`` each."""

@@ -21,6 +21,7 @@ from ..ops.norms import rms_norm
 from ..ops.qmatmul import as_f32, interpret_kernels, qmatmul, qmatmul_many, take_rows
 from ..ops.rope import RopeConfig, apply_rope, rope_cos_sin
 from ..ops.routing import route_topk
+from ..pallas import attn_prep
 from .kv_cache import KVCache
 from .spec import TensorSpec, attention_specs, embedding_specs
 
@@ -239,11 +240,18 @@ def _attention_block(params, cfg: Config, i: int, x, cos, sin, positions, cache:
     k = k.reshape(B, T, cfg.n_kv_heads, cfg.head_dim)  # [B, T, Hkv, Dh]
     v = v.reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
     # Qwen3: per-head RMSNorm of q and k before the rotation.
-    q = apply_rope(rms_norm(q, as_f32(params[b + "attn_q_norm.weight"]), cfg.rms_eps), cos, sin, neox=True)
-    k = apply_rope(rms_norm(k, as_f32(params[b + "attn_k_norm.weight"]), cfg.rms_eps), cos, sin, neox=True)
-    cache = cache.write(i, k, v, positions)
-    if cfg.attention == "pallas" and T == 1:
-        o = cache.attend_one(i, q[:, 0], positions[:, 0], cfg.attn_scale)  # [B, Hq, Dh]
+    q_norm, k_norm = as_f32(params[b + "attn_q_norm.weight"]), as_f32(params[b + "attn_k_norm.weight"])
+    one_token = cfg.attention == "pallas" and T == 1
+    if one_token and attn_prep.serves(cfg.head_dim, cfg.n_rot):  # norms, rotation and cache write: one kernel
+        q1, cache = cache.write_one_normed(i, q[:, 0], k[:, 0], v[:, 0], (q_norm, k_norm, cfg.rms_eps),
+                                           (cos[:, 0], sin[:, 0]), positions[:, 0])  # q1 [B, Hq, Dh]
+    else:
+        q = apply_rope(rms_norm(q, q_norm, cfg.rms_eps), cos, sin, neox=True)
+        k = apply_rope(rms_norm(k, k_norm, cfg.rms_eps), cos, sin, neox=True)
+        cache = cache.write(i, k, v, positions)
+        q1 = q[:, 0]
+    if one_token:
+        o = cache.attend_one(i, q1, positions[:, 0], cfg.attn_scale)  # [B, Hq, Dh]
     else:
         k_all, v_all = cache.layer(i)  # [B, S, Hkv, Dh]
         o = gqa_attention(q, k_all, v_all, mask, cfg.attn_scale)  # [B, T, Hq, Dh]
