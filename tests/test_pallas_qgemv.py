@@ -130,6 +130,28 @@ def test_many_in_one_launch():
         qgemv_many(x, (ws[0], repack(weight(T.Q4_K, 32, 256, rng), T.Q4_K, (32, 256))), interpret=True)
 
 
+def test_many_launch_config(monkeypatch):
+    """A launch over several weights takes the config of the weight with the most rows, or a
+    TUNED_MANY entry, or the caller's; any of them gives each output within its bound."""
+    from bloomery_jax.pallas import qgemv_tuned
+    from bloomery_jax.pallas.qgemv import qgemv_many
+
+    qkv = [("Q4_K", 4096), ("Q4_K", 512), ("Q6_K", 512)]
+    assert qgemv_tuned.pick_many_config("planes", qkv, 2048) == qgemv_tuned.pick_config("planes", "Q4_K", 4096, 2048)
+    monkeypatch.setitem(qgemv_tuned.TUNED_MANY, ("planes", tuple(qkv), 2048), (64, 1, 4, 2, 2))
+    assert qgemv_tuned.pick_many_config("planes", qkv, 2048) == GemvConfig(64, 1, 4, 2, 2)
+    rng = np.random.default_rng(37)
+    shapes = [(T.Q4_K, 64), (T.Q6_K, 32)]
+    ws = tuple(repack(weight(q, n, 512, rng), q, (n, 512)) for q, n in shapes)
+    x = jnp.asarray(rng.standard_normal((2, 512)), jnp.float32)
+    xf = np.asarray(x, np.float64)
+    cfg = GemvConfig(64, 1, 4, 3, 2)  # block_n 64 is cut to 32 (the Q6_K weight's rows), a split of 2
+    for y, w, (q, _) in zip(qgemv_many(x, ws, config=cfg, interpret=True), ws, shapes):
+        exact = xf @ np.asarray(dequantize_packed(w), np.float64).T
+        mag = np.abs(xf) @ np.asarray(scale_magnitudes(w), np.float64).T
+        assert (np.abs(np.asarray(y, np.float64) - exact) <= 1.01 * rounding_depth("planes", q, 512, cfg) * U * mag).all()
+
+
 def test_many_ggml_and_mixed_layouts(monkeypatch):
     # a ggml weight (Q5_K: its qh words are a third row-tiled field) and a planes one in one
     # launch: each output within its own bound (one chunk a loop step: a smaller program to trace;

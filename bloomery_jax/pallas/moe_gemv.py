@@ -176,9 +176,9 @@ def _moe_many_kernel(e_ref, x_ref, *refs, parts, n_experts: int, bn: int):
               view=lambda r: _ExpertView(r, e))
 
 
-@functools.partial(jax.jit, static_argnames=("pairs_per_row", "interpret"))
+@functools.partial(jax.jit, static_argnames=("pairs_per_row", "config", "interpret"))
 def moe_gemv_many(x: jax.Array, ws: tuple, experts: jax.Array, *, pairs_per_row: int = 1,
-                  interpret: bool = False) -> tuple:
+                  config: GemvConfig | None = None, interpret: bool = False) -> tuple:
     """``tuple(moe_gemv(x, w, experts) for w in ws)`` in one launch (gate and up of a MoE layer).
 
     As ``qgemv.qgemv_many`` for stacked expert weights: program (p, i) serves pair p and a row
@@ -189,13 +189,14 @@ def moe_gemv_many(x: jax.Array, ws: tuple, experts: jax.Array, *, pairs_per_row:
       x: float ``[P / pairs_per_row, K]``; ws: tuple of 3-D planes- or ggml-layout PackedWeights
         ``[E, N_j, K]`` with the same E; experts: integer ``[P]``.
       pairs_per_row: consecutive pairs that share a row of x (as in :func:`moe_gemv`).
+      config: launch parameters (``qgemv.many_operands``); None picks ``pick_many_config``.
       interpret: run with the Pallas interpreter (CPU tests).
     Returns:
       tuple of float32 ``[P, N_j]``.
     """
     n_exp, _, k = ws[0].shape
     n_pairs = _check_rows("moe_gemv_many", x, experts, k, pairs_per_row)
-    m = many_operands(ws, k, (n_exp,), "moe_gemv_many")
+    m = many_operands(ws, k, (n_exp,), "moe_gemv_many", config=config)
     y = pl.pallas_call(
         functools.partial(_moe_many_kernel, parts=m.parts, n_experts=n_exp, bn=m.bn),
         out_shape=jax.ShapeDtypeStruct((m.split_k, n_pairs, m.tiles * m.bn), F32),

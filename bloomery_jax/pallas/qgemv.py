@@ -47,7 +47,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from ..quant.repack import MAGIC, PackedWeight, k4_scale_min
 from . import qgemv_rows
-from .qgemv_tuned import GemvConfig, pick_config
+from .qgemv_tuned import GemvConfig, pick_config, pick_many_config
 
 F32 = jnp.float32
 TWO23 = 8388608.0  # 2^23: bitcast(MAGIC | q) - TWO23 == q exactly, with no int->float convert
@@ -461,30 +461,32 @@ class Many:
         return tuple(y[..., a:b] for a, b in zip(bounds[:-1], bounds[1:]))
 
 
-def many_operands(ws, k: int, lead: tuple, name: str, tuning: str | None = None) -> Many:
+def many_operands(ws, k: int, lead: tuple, name: str, tuning: str | None = None,
+                  config: GemvConfig | None = None) -> Many:
     """Check and lay out weights for one launch: each a planes- or ggml-layout (layouts may mix)
     Q8_0/Q4_K/Q5_K/Q6_K PackedWeight of shape ``[*lead, N_j, K]`` (2-D dense weights: lead ``()``;
-    stacked experts: ``(E,)``). The tile height is the largest power of two dividing every N, at most the
-    smallest of the weights' tuned ``block_n``, the split the largest divisor of every weight's
-    chunk count at most their smallest ``split_k``; loop steps are each weight's own. ``tuning``
-    names the ``pick_config`` table to read (default: the weights' own layouts')."""
+    stacked experts: ``(E,)``). The launch takes ``config``, or else ``pick_many_config`` for
+    these weights (``tuning`` names the table, default: the first weight's layout's); the tile
+    height is its ``block_n`` halved until it divides every N, the split its ``split_k`` lowered
+    until it divides every weight's chunk count; each weight's loop steps come from its chunks."""
     for w in ws:
         if (format_of(w.layout, w.qtype) is None or len(w.shape) != len(lead) + 2
                 or tuple(w.shape[:-2]) != lead or w.shape[-1] != k):
             raise ValueError(f"{name}: needs planes-layout or ggml-layout Q8_0/Q4_K/Q5_K/Q6_K weights "
                              f"[{', '.join(map(str, lead + ('N', k)))}], "
                              f"got {T(w.qtype).name} {w.shape} {w.layout}")
-    cfgs = [pick_config(tuning or tuning_layout(w.layout), T(w.qtype).name, *w.shape[-2:]) for w in ws]
-    bn = min(cfg.block_n for cfg in cfgs)
+    cfg = config or pick_many_config(tuning or tuning_layout(ws[0].layout), [(T(w.qtype).name, w.shape[-2]) for w in ws], k)
+    bn = cfg.block_n
     while any(w.shape[-2] % bn for w in ws):
         bn //= 2
-    split = min(cfg.split_k for cfg in cfgs)
+    split = cfg.split_k
     while any((k // format_of(w.layout, w.qtype).chunk) % split for w in ws):
         split -= 1
+    cfg = dataclasses.replace(cfg, block_n=bn, split_k=split)
     parts, arrays, specs, start = [], [], [], 0
-    for w, cfg in zip(ws, cfgs):
+    for w in ws:
         fmt = format_of(w.layout, w.qtype)
-        _, steps, per_step, _ = _launch(fmt, w.shape[-2], k, dataclasses.replace(cfg, block_n=bn, split_k=split))
+        _, steps, per_step, _ = _launch(fmt, w.shape[-2], k, cfg)
         tiles = w.shape[-2] // bn
         fields = _weight_fields(w)
         for a, rows_last in fields:
@@ -498,13 +500,13 @@ def many_operands(ws, k: int, lead: tuple, name: str, tuning: str | None = None)
             arrays.append(a)
         parts.append(_Part(int(w.qtype), fmt, len(fields), tiles, steps, per_step, start))
         start += tiles
-    params = plgpu.CompilerParams(num_warps=max(c.num_warps for c in cfgs), num_stages=max(c.num_stages for c in cfgs))
+    params = plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return Many(bn, tuple(parts), arrays, specs, start, params, split)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("eps", "config", "interpret"))
 def qgemv_many(x: jax.Array, ws: tuple, *, norm: jax.Array | None = None, eps: float = 0.0,
-               interpret: bool = False) -> tuple:
+               config: GemvConfig | None = None, interpret: bool = False) -> tuple:
     """``tuple(x @ w.T for w in ws)`` in one launch: several planes- or ggml-layout weights that
     read the same x (q, k and v of a layer), each with its own format and layout.
 
@@ -521,6 +523,7 @@ def qgemv_many(x: jax.Array, ws: tuple, *, norm: jax.Array | None = None, eps: f
         ``ops.norms.rms_norm(x, norm, eps)`` (formed in-kernel; the mean square sums in another
         order, so the last bits may differ).
       eps: the norm's epsilon.
+      config: launch parameters (``many_operands``); None picks ``pick_many_config``.
       interpret: run with the Pallas interpreter (CPU tests).
     Returns:
       tuple of float32 ``[B, N_j]``.
@@ -530,7 +533,7 @@ def qgemv_many(x: jax.Array, ws: tuple, *, norm: jax.Array | None = None, eps: f
     nrows, k = x.shape
     if norm is not None and norm.shape != (k,):
         raise ValueError(f"qgemv_many: norm must be [{k}], got {norm.shape}")
-    m = many_operands(ws, k, (), "qgemv_many")
+    m = many_operands(ws, k, (), "qgemv_many", config=config)
     norms = () if norm is None else (norm.astype(F32),)
     y = pl.pallas_call(
         functools.partial(_many_kernel, parts=m.parts, nrows=nrows, bn=m.bn,

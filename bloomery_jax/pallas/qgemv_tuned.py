@@ -67,3 +67,22 @@ def pick_config(layout: str, type_name: str, n: int, k: int) -> GemvConfig:
     """The tuned launch parameters for this weight, else the layout's default for its type."""
     row = TUNED.get((layout, type_name, n, k)) or DEFAULTS.get((layout, type_name))
     return GemvConfig(*row) if row else GemvConfig()
+
+
+# Launches over several weights (``qgemv_many``: q, k, v; ``moe_gemv_many``: gate, up), keyed by
+# (layout, ((type, N), ...), K) in the launch's weight order; none measured yet
+# (``scripts/layer_kernel_bench.py`` times them at the decode shapes).
+TUNED_MANY: dict[tuple, tuple[int, ...]] = {}
+
+
+def pick_many_config(layout: str, weights: list[tuple[str, int]], k: int) -> GemvConfig:
+    """Launch parameters of one launch over several ``[N, K]`` weights (``(type name, N)`` each):
+    the tuned entry, else the config of the weight with the most rows (the launch's time is
+    mostly its programs). The 2026-12-04 H200 trace showed why not the smallest ``block_n`` of
+    all, as before: q, k and v of a Qwen3-30B-A3B layer ran in 15-20 us in 1,280 programs of
+    8 rows, where q alone at its own config took 7.7 us."""
+    row = TUNED_MANY.get((layout, tuple(weights), k))
+    if row:
+        return GemvConfig(*row)
+    type_name, n = max(weights, key=lambda w: w[1])
+    return pick_config(layout, type_name, n, k)

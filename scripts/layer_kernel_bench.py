@@ -1,0 +1,186 @@
+"""Launch parameters of one decode layer's GEMV launches, swept at Qwen3-30B-A3B shapes on the GPU.
+
+The launches a decode step makes per layer (and the output head once), each timed under a list
+of ``GemvConfig`` variants, the first being what the code picks today (``pick_config`` /
+``pick_many_config``):
+
+  qkv      ``qgemv_many(x, (q, k, v), norm=w)``: q Q4_K [4096, 2048], k Q4_K and v Q6_K [512, 2048]
+  gate_up  ``moe_gemv_many(x, (gate, up), experts, pairs_per_row=8)``: Q4_K [128, 768, 2048] each
+  down     ``moe_gemv(g, down, experts, up=u)``: Q6_K [128, 2048, 768], SwiGLU formed in-kernel
+  output   ``qgemv(x, output)``: Q6_K [151936, 2048]
+
+Timing: one jitted call makes the launch R times back to back, each on its own weight copy (the
+dense families, enough copies to outgrow the 60 MB L2) or its own set of 8 random experts (the
+MoE families); us per launch = median over --reps samples of wall time / (calls x R). The gaps
+between launches inside one executable are counted, as a step pays them. Each variant's outputs
+are compared with the first variant's: only the summation order differs, so a difference above
+1e-4 of the outputs' scale means a broken launch and is reported as an error. Weights are random
+valid blocks (``synth.blocks.random_blocks``): only speed is measured. Prints a line a variant and
+writes JSON to --json after each.
+
+  python scripts/layer_kernel_bench.py --json $OUT/layer_kernels.json          # GPU
+  python scripts/layer_kernel_bench.py --small --reps 1 --max-copies 2       # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from gguf import GGMLQuantizationType as T
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from bloomery_jax.ops.qmatmul import interpret_kernels  # noqa: E402
+from bloomery_jax.pallas.moe_gemv import moe_gemv, moe_gemv_many  # noqa: E402
+from bloomery_jax.pallas.qgemv import qgemv, qgemv_many  # noqa: E402
+from bloomery_jax.pallas.qgemv_tuned import GemvConfig as C, pick_config, pick_many_config  # noqa: E402
+from bloomery_jax.quant.repack import repack  # noqa: E402
+from bloomery_jax.synth.blocks import random_blocks  # noqa: E402
+
+WEIGHT_STD = 0.02
+L2_BYTES = 60 * 2 ** 20
+INTERP = interpret_kernels()  # off the GPU the kernels run in the Pallas interpreter
+QWEN3_30B = dict(hidden=2048, q_rows=4096, kv_rows=512, experts=128, ff=768, top_k=8, vocab=151936)
+SMOKE = dict(hidden=256, q_rows=256, kv_rows=64, experts=8, ff=256, top_k=2, vocab=512)
+
+# Variants after the current pick: rows per program, chunks per loop step, warps, stages, split-K
+SWEEPS = {
+    "qkv": [C(8, 1, 8, 3, 2), C(32, 2, 8, 3, 1), C(32, 2, 4, 3, 2), C(16, 2, 4, 3, 2), C(16, 1, 4, 3, 4),
+            C(32, 1, 4, 3, 4), C(64, 2, 8, 3, 2), C(32, 2, 8, 3, 4)],
+    "gate_up": [C(32, 2, 8, 3, 2), C(32, 2, 4, 3, 2), C(16, 2, 4, 3, 2), C(32, 1, 4, 3, 4), C(16, 1, 4, 3, 4),
+                C(64, 2, 8, 3, 2), C(64, 4, 8, 3, 1), C(32, 4, 4, 3, 1), C(16, 1, 2, 3, 8)],
+    "down": [C(16, 1, 4, 3, 3), C(32, 1, 4, 3, 3), C(8, 1, 2, 3, 3), C(16, 1, 2, 3, 3), C(32, 3, 8, 3, 1),
+             C(64, 1, 8, 3, 3), C(32, 3, 4, 3, 1)],
+    "output": [C(32, 2, 8, 3), C(32, 4, 8, 3), C(64, 2, 8, 3), C(64, 4, 8, 3), C(16, 4, 8, 3), C(32, 2, 4, 3),
+               C(128, 2, 8, 3)],
+}
+
+
+def packed(qtype: T, shape: tuple, rng):
+    return repack(random_blocks(qtype, shape, WEIGHT_STD, rng), qtype, shape)
+
+
+def copies(tree, r: int):
+    """r distinct device copies of a pytree of arrays (same values, different buffers)."""
+    return [tree] + [jax.tree_util.tree_map(lambda a: jnp.array(a, copy=True), tree) for _ in range(r - 1)]
+
+
+def n_copies(nbytes: int, cap: int) -> int:
+    """Copies of a weight so that R calls read more than the L2 holds (1 if one already does)."""
+    return max(1, min(cap, -(-2 * L2_BYTES // nbytes)))
+
+
+def family(name: str, dims: dict, rng, max_copies: int):
+    """(current config, launch(cfg) -> fn(args) -> outputs, args, weight bytes read a launch)."""
+    d, k = dims["hidden"], dims["top_k"]
+    x = jnp.asarray(rng.standard_normal((1, d)), jnp.float32)
+    if name in ("qkv", "output"):
+        if name == "qkv":
+            ws = (packed(T.Q4_K, (dims["q_rows"], d), rng), packed(T.Q4_K, (dims["kv_rows"], d), rng),
+                  packed(T.Q6_K, (dims["kv_rows"], d), rng))
+            norm = jnp.asarray(rng.uniform(0.5, 2, d), jnp.float32)
+            current = pick_many_config("planes", [(T(w.qtype).name, w.shape[0]) for w in ws], d)
+            one = lambda cfg: lambda x, w: qgemv_many(x, w, norm=norm, eps=1e-6, config=cfg, interpret=INTERP)  # noqa: E731
+        else:
+            ws = packed(T.Q6_K, (dims["vocab"], d), rng)
+            current = pick_config("planes", "Q6_K", dims["vocab"], d)
+            one = lambda cfg: lambda x, w: (qgemv(x, w, config=cfg, interpret=INTERP),)  # noqa: E731
+        nbytes = sum(w.nbytes for w in jax.tree_util.tree_leaves(ws))
+        sets = copies(ws, n_copies(nbytes, max_copies))
+
+        def launch(cfg):
+            f = one(cfg)
+            return jax.jit(lambda x, sets: [f(x, w) for w in sets])
+        return current, launch, (x, sets), nbytes
+    e, f_rows = dims["experts"], dims["ff"]
+    n_sets = max(1, min(max_copies, 16))
+    experts = [jnp.asarray(rng.permutation(e)[:k], jnp.int32) for _ in range(n_sets)]  # [P] each, one token
+    if name == "gate_up":
+        ws = (packed(T.Q4_K, (e, f_rows, d), rng), packed(T.Q4_K, (e, f_rows, d), rng))
+        current = pick_many_config("planes", [("Q4_K", f_rows)] * 2, d)
+        nbytes = sum(w.nbytes for w in ws) // e * k
+
+        def launch(cfg):
+            return jax.jit(lambda x, ws, sets: [moe_gemv_many(x, ws, ex, pairs_per_row=k, config=cfg, interpret=INTERP) for ex in sets])
+        return current, launch, (x, ws, experts), nbytes
+    down = packed(T.Q6_K, (e, d, f_rows), rng)
+    g, u = (jnp.asarray(rng.standard_normal((k, f_rows)), jnp.float32) for _ in range(2))
+    current = pick_config("planes", "Q6_K", d, f_rows)
+
+    def launch(cfg):
+        return jax.jit(lambda g, u, w, sets: [(moe_gemv(g, w, ex, up=u, config=cfg, interpret=INTERP),) for ex in sets])
+    return current, launch, (g, u, down, experts), down.nbytes // e * k
+
+
+def time_us(fn, args, launches: int, reps: int, min_total_s: float) -> tuple[float, list[float]]:
+    """Median us a launch: samples of back-to-back calls (only the last output kept alive)."""
+    jax.block_until_ready(fn(*args))
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    calls = max(2, min(500, int(min_total_s / max(time.perf_counter() - t0, 1e-6))))
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = None
+        for _ in range(calls):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - t0) / calls / launches * 1e6)
+    return statistics.median(samples), samples
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--families", default="qkv,gate_up,down,output")
+    p.add_argument("--json", default="")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--min-total-s", type=float, default=0.05, help="wall time of one sample")
+    p.add_argument("--max-copies", type=int, default=16, help="weight copies / expert sets a timed call walks")
+    p.add_argument("--budget-s", type=float, default=400.0, help="start no new variant after this")
+    p.add_argument("--small", action="store_true", help="small shapes (a CPU smoke run, kernels interpreted)")
+    a = p.parse_args(argv)
+    dims = SMOKE if a.small else QWEN3_30B
+    t_start = time.time()
+    out = dict(meta=dict(argv=sys.argv, date=time.strftime("%Y-%m-%d %H:%M:%S"), jax=jax.__version__,
+                         device=str(jax.devices()[0].device_kind), dims=dims), results=[])
+    for name in a.families.split(","):
+        current, launch, args, nbytes = family(name, dims, np.random.default_rng(len(name)), a.max_copies)
+        launches = len(args[-1])
+        ref = None
+        for i, cfg in enumerate([current] + [c for c in SWEEPS[name] if c != current]):
+            if time.time() - t_start > a.budget_s:
+                break
+            row = dict(family=name, config=list(cfg.__dict__.values()), current=i == 0, weight_bytes=nbytes,
+                       launches_per_call=launches)
+            try:
+                fn = launch(cfg)
+                got = [np.asarray(y) for ys in jax.device_get(fn(*args)) for y in ys]
+                if ref is None:
+                    ref = got
+                scale = max(float(np.abs(r).max()) for r in ref)
+                row["max_diff_rel"] = max(float(np.abs(g - r).max()) for g, r in zip(got, ref)) / scale
+                if row["max_diff_rel"] > 1e-4:
+                    raise AssertionError(f"outputs differ from the current config's by {row['max_diff_rel']:.2g}")
+                us, samples = time_us(fn, args, launches, a.reps, a.min_total_s)
+                row.update(us=round(us, 2), GBps=round(nbytes / us / 1e3, 1), samples_us=[round(s, 2) for s in samples])
+            except Exception as err:  # a config the lowering or the check refuses: record it, go on
+                row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
+            out["results"].append(row)
+            print(f"{name:8} {str(row['config']):22} {'(current)' if i == 0 else '         '} "
+                  f"{row.get('us', float('nan')):8.2f} us {row.get('GBps', float('nan')):7.1f} GB/s {row.get('error', '')}",
+                  flush=True)
+            if a.json:
+                with open(a.json, "w") as f:
+                    json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
