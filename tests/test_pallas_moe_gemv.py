@@ -189,6 +189,25 @@ def test_fused_swiglu_rows():
         moe_gemv(g, d, experts, up=u[:5], interpret=True)
 
 
+def test_gate_and_up_side_by_side():
+    """moe_gemv_many(joined=True) is the tuple's outputs side by side, and moe_gemv(swiglu_halves=True)
+    on that is moe_gemv(gate, up=up): the same programs, bit for bit."""
+    from bloomery_jax.pallas.moe_gemv import moe_gemv_many
+
+    rng = np.random.default_rng(41)
+    (_, gw, _), (_, uw, _), (_, dw, _) = (stacked(q, 5, n, k, rng) for q, n, k in
+                                          ((T.Q4_K, 256, 512), (T.Q4_K, 256, 512), (T.Q6_K, 512, 256)))
+    experts = jnp.asarray(rng.integers(0, 5, 6), jnp.int32)
+    x = jnp.asarray(rng.standard_normal((3, 512)), jnp.float32)  # 3 tokens of 2 pairs
+    g, u = moe_gemv_many(x, (gw, uw), experts, pairs_per_row=2, interpret=True)
+    gu = moe_gemv_many(x, (gw, uw), experts, pairs_per_row=2, joined=True, interpret=True)
+    np.testing.assert_array_equal(np.asarray(gu), np.concatenate([np.asarray(g), np.asarray(u)], axis=1))
+    got = moe_gemv(gu, dw, experts, swiglu_halves=True, config=CFG, interpret=True)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(moe_gemv(g, dw, experts, up=u, config=CFG, interpret=True)))
+    with pytest.raises(ValueError, match="exclude each other"):
+        moe_gemv(gu, dw, experts, up=gu, swiglu_halves=True, interpret=True)
+
+
 @pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
 def test_fused_swiglu_lowers_to_triton_for_h200(monkeypatch):
     """The decode down projection with the hidden vector formed in-kernel (Q6_K, 8 pairs)."""
@@ -197,6 +216,9 @@ def test_fused_swiglu_lowers_to_triton_for_h200(monkeypatch):
     h = jax.ShapeDtypeStruct((8, 768), jnp.float32)
     experts = jax.ShapeDtypeStruct((8,), jnp.int32)
     assert triton_kernels(monkeypatch, lambda g, u, w, e: moe_gemv(g, w, e, up=u), h, h, pw, experts) == [
+        ("moe_gemv_q6_k", 90, True)]
+    gu = jax.ShapeDtypeStruct((8, 2 * 768), jnp.float32)  # gate and up side by side (moe_gemv_many joined)
+    assert triton_kernels(monkeypatch, lambda x, w, e: moe_gemv(x, w, e, swiglu_halves=True), gu, pw, experts) == [
         ("moe_gemv_q6_k", 90, True)]
 
 

@@ -130,8 +130,8 @@ def _moe_swiglu_gemv(x, experts, weights, gate, up, down, act_rounding):
     xg = round_activations(x, weight_qtype(gate), act_rounding)  # [N, D]
     xu = round_activations(x, weight_qtype(up), act_rounding)
     if act_rounding == "none":  # gate and up read the same x: one launch (decode is launch-bound)
-        g, u = moe_gemv_many(xg, (gate, up), flat, pairs_per_row=k, interpret=interpret)  # [P, F] each
-        y = moe_gemv(g, down, flat, up=u, interpret=interpret)  # swiglu formed where down reads it
+        gu = moe_gemv_many(xg, (gate, up), flat, pairs_per_row=k, joined=True, interpret=interpret)  # [P, 2F]
+        y = moe_gemv(gu, down, flat, swiglu_halves=True, interpret=interpret)  # swiglu formed where down reads it
         return _weighted_sum(y.reshape(N, k, -1), weights)  # [N, k, D] -> [N, D]
     h = swiglu(moe_gemv(xg, gate, flat, pairs_per_row=k, interpret=interpret),
                moe_gemv(xu, up, flat, pairs_per_row=k, interpret=interpret))

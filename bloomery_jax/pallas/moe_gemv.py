@@ -53,15 +53,17 @@ class _ExpertView:
 
 
 class _SwigluRows:
-    """``view[b, cols]`` is ``silu(gate[b, cols]) * up[b, cols]`` in float32: a pair's hidden
-    vector formed where the down projection reads it, so it needs no [P, F] array of its own."""
+    """``view[b, cols]`` is ``silu(gate[b, cols]) * up[b, cols + offset]`` in float32: a pair's
+    hidden vector formed where the down projection reads it, so it needs no [P, F] array of its
+    own (``offset``: where up starts in its ref; the ref may be gate's own, gate and up side by side)."""
 
-    def __init__(self, gate_ref, up_ref):
-        self.gate, self.up = gate_ref, up_ref
+    def __init__(self, gate_ref, up_ref, offset: int = 0):
+        self.gate, self.up, self.offset = gate_ref, up_ref, offset
 
     def __getitem__(self, idx):
-        g = self.gate[idx].astype(F32)
-        return g / (1.0 + jnp.exp(-g)) * self.up[idx].astype(F32)
+        b, cols = idx
+        g = self.gate[b, cols].astype(F32)
+        return g / (1.0 + jnp.exp(-g)) * self.up[b, pl.ds(cols.start + self.offset, cols.size)].astype(F32)
 
 
 def expert_index(e_ref, n_experts: int):
@@ -85,9 +87,15 @@ def _kernel_name(family: str, layout: str, qtype: T) -> str:
     return f"{family}_{infix}{qtype.name.lower()}"
 
 
-def _moe_kernel(e_ref, *refs, fmt, n_experts: int, steps: int, per_step: int, fused_swiglu: bool):
-    # e_ref [1] int32; x_ref [1, K] (or gate and up [1, K]); w_refs [E, ...] blocks; o_ref [1, 1, BN]
-    x_ref, refs = (_SwigluRows(*refs[:2]), refs[2:]) if fused_swiglu else (refs[0], refs[1:])
+def _moe_kernel(e_ref, *refs, fmt, n_experts: int, steps: int, per_step: int, swiglu: str | None):
+    # e_ref [1] int32; x_ref [1, K] (or gate and up [1, K] each, or [1, 2K] side by side);
+    # w_refs [E, ...] blocks; o_ref [1, 1, BN]
+    if swiglu == "pair":
+        x_ref, refs = _SwigluRows(*refs[:2]), refs[2:]
+    elif swiglu == "halves":
+        x_ref, refs = _SwigluRows(refs[0], refs[0], offset=refs[0].shape[1] // 2), refs[1:]
+    else:
+        x_ref, refs = refs[0], refs[1:]
     *w_refs, o_ref = refs
     e = expert_index(e_ref, n_experts)
     views = [_ExpertView(r, e) for r in w_refs]
@@ -119,9 +127,10 @@ def _check_rows(name: str, x: jax.Array, experts: jax.Array, k: int, pairs_per_r
     return n_pairs
 
 
-@functools.partial(jax.jit, static_argnames=("config", "pairs_per_row", "interpret"))
+@functools.partial(jax.jit, static_argnames=("config", "pairs_per_row", "swiglu_halves", "interpret"))
 def moe_gemv(x: jax.Array, w: PackedWeight, experts: jax.Array, *, up: jax.Array | None = None,
-             config: GemvConfig | None = None, pairs_per_row: int = 1, interpret: bool = False) -> jax.Array:
+             swiglu_halves: bool = False, config: GemvConfig | None = None, pairs_per_row: int = 1,
+             interpret: bool = False) -> jax.Array:
     """``x[p // pairs_per_row] @ W[experts[p]]^T`` for every pair p, float32 accumulation.
 
     Args:
@@ -133,6 +142,9 @@ def moe_gemv(x: jax.Array, w: PackedWeight, experts: jax.Array, *, up: jax.Array
       up: None, or an array shaped like x: then x is a gate projection and each row the kernel
         reads is ``silu(x) * up`` (``ops.experts.swiglu`` formed in-kernel, for a MoE down
         projection; the exponential is the kernel's, so the last bits may differ).
+      swiglu_halves: x is ``[P / pairs_per_row, 2K]``, gate then up side by side (what
+        ``moe_gemv_many(..., joined=True)`` returns), and each row read is ``silu(gate) * up``
+        as with ``up``: no launch splits the two apart first.
       config: launch parameters; None picks ``pick_config`` for one expert's ``[N, K]``.
         ``block_n`` and ``chunks_per_step`` shrink to divisors as in ``qgemv``.
       pairs_per_row: consecutive pairs that share a row of x.
@@ -142,7 +154,10 @@ def moe_gemv(x: jax.Array, w: PackedWeight, experts: jax.Array, *, up: jax.Array
     """
     qtype = check_stacked(w, "moe_gemv")
     n_exp, n, k = w.shape
-    n_pairs = _check_rows("moe_gemv", x, experts, k, pairs_per_row)
+    if swiglu_halves and up is not None:
+        raise ValueError("moe_gemv: up and swiglu_halves exclude each other")
+    width = 2 * k if swiglu_halves else k  # columns of a row of x
+    n_pairs = _check_rows("moe_gemv", x, experts, width, pairs_per_row)
     if up is not None and up.shape != x.shape:
         raise ValueError(f"moe_gemv: up must be shaped like x {x.shape}, got {up.shape}")
     cfg = config or pick_config(tuning_layout(w.layout), qtype.name, n, k)
@@ -150,9 +165,9 @@ def moe_gemv(x: jax.Array, w: PackedWeight, experts: jax.Array, *, up: jax.Array
     bn, steps, per_step, split = _launch(fmt, n, k, cfg)
     arrays, specs = _operands(w, bn)
     kernel = functools.partial(_moe_kernel, fmt=fmt, n_experts=n_exp, steps=steps, per_step=per_step,
-                               fused_swiglu=up is not None)
+                               swiglu="halves" if swiglu_halves else None if up is None else "pair")
     xs = (x,) if up is None else (x, up)
-    x_spec = pl.BlockSpec((1, k), lambda s, p, i: (p // pairs_per_row, 0))  # this pair's row of x
+    x_spec = pl.BlockSpec((1, width), lambda s, p, i: (p // pairs_per_row, 0))  # this pair's row of x
     return add_partials(pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((split, n_pairs, n), F32),
@@ -176,9 +191,9 @@ def _moe_many_kernel(e_ref, x_ref, *refs, parts, n_experts: int, bn: int):
               view=lambda r: _ExpertView(r, e))
 
 
-@functools.partial(jax.jit, static_argnames=("pairs_per_row", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("pairs_per_row", "config", "joined", "interpret"))
 def moe_gemv_many(x: jax.Array, ws: tuple, experts: jax.Array, *, pairs_per_row: int = 1,
-                  config: GemvConfig | None = None, interpret: bool = False) -> tuple:
+                  config: GemvConfig | None = None, joined: bool = False, interpret: bool = False):
     """``tuple(moe_gemv(x, w, experts) for w in ws)`` in one launch (gate and up of a MoE layer).
 
     As ``qgemv.qgemv_many`` for stacked expert weights: program (p, i) serves pair p and a row
@@ -190,9 +205,11 @@ def moe_gemv_many(x: jax.Array, ws: tuple, experts: jax.Array, *, pairs_per_row:
         ``[E, N_j, K]`` with the same E; experts: integer ``[P]``.
       pairs_per_row: consecutive pairs that share a row of x (as in :func:`moe_gemv`).
       config: launch parameters (``qgemv.many_operands``); None picks ``pick_many_config``.
+      joined: return the outputs side by side, float32 ``[P, sum N_j]``, not cut apart (on the
+        GPU the cut is a kernel of its own; ``moe_gemv(..., swiglu_halves=True)`` reads them so).
       interpret: run with the Pallas interpreter (CPU tests).
     Returns:
-      tuple of float32 ``[P, N_j]``.
+      tuple of float32 ``[P, N_j]`` (one array with ``joined``).
     """
     n_exp, _, k = ws[0].shape
     n_pairs = _check_rows("moe_gemv_many", x, experts, k, pairs_per_row)
@@ -208,4 +225,4 @@ def moe_gemv_many(x: jax.Array, ws: tuple, experts: jax.Array, *, pairs_per_row:
         interpret=interpret,
         name="moe_gemv_many",
     )(experts.astype(jnp.int32), x, *m.arrays)
-    return m.split(y)
+    return add_partials(y) if joined else m.split(y)
