@@ -146,10 +146,15 @@ def test_many_launch_config(monkeypatch):
     x = jnp.asarray(rng.standard_normal((2, 512)), jnp.float32)
     xf = np.asarray(x, np.float64)
     cfg = GemvConfig(64, 1, 4, 3, 2)  # block_n 64 is cut to 32 (the Q6_K weight's rows), a split of 2
-    for y, w, (q, _) in zip(qgemv_many(x, ws, config=cfg, interpret=True), ws, shapes):
+    ys = qgemv_many(x, ws, config=cfg, interpret=True)
+    for y, w, (q, _) in zip(ys, ws, shapes):
         exact = xf @ np.asarray(dequantize_packed(w), np.float64).T
         mag = np.abs(xf) @ np.asarray(scale_magnitudes(w), np.float64).T
         assert (np.abs(np.asarray(y, np.float64) - exact) <= 1.01 * rounding_depth("planes", q, 512, cfg) * U * mag).all()
+    # partials=True: the launch's two partial sums as written, the outputs side by side
+    parts = np.asarray(qgemv_many(x, ws, config=cfg, partials=True, interpret=True))
+    assert parts.shape == (2, 2, 96)
+    np.testing.assert_array_equal(parts[0] + parts[1], np.concatenate([np.asarray(y) for y in ys], axis=1))
 
 
 def test_many_ggml_and_mixed_layouts(monkeypatch):

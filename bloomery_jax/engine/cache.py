@@ -94,11 +94,11 @@ class SlotCache:
         new_v = self.v.at[layer, slot, pos].set(v.astype(self.v.dtype), mode="drop")
         return dataclasses.replace(self, k=new_k, v=new_v)
 
-    def write_one_normed(self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array, norms, rope,
+    def write_one_normed(self, layer: int, qkv: jax.Array, norms, rope,
                          positions: jax.Array) -> tuple[jax.Array, "SlotCache"]:
         """The window's one-token queries and cache by one kernel: as ``KVCache.write_one_normed``
         (models/kv_cache.py), row ``b`` written to slot ``start + b``."""
-        return cache_qk_prep(self, layer, self.start, q, k, v, norms, rope, positions, interpret=interpret_kernels())
+        return cache_qk_prep(self, layer, self.start, qkv, norms, rope, positions, interpret=interpret_kernels())
 
     def layer(self, i: int) -> tuple[jax.Array, jax.Array]:
         """Keys and values of layer ``i`` for the window: ``[B, S, Hkv, Dh]`` each, as float32."""

@@ -66,13 +66,14 @@ class KVCache:
         new_v = self.v.at[layer, b, slot].set(v.astype(jnp.float32), mode="drop")
         return dataclasses.replace(self, k=new_k, v=new_v)
 
-    def write_one_normed(self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array, norms, rope,
+    def write_one_normed(self, layer: int, qkv: jax.Array, norms, rope,
                          positions: jax.Array) -> tuple[jax.Array, "KVCache"]:
-        """A one-token step's queries and cache by one kernel (``pallas.attn_prep``): q and k
-        ``[B, H, Dh]`` RMS-normed per head (``norms = (q_norm, k_norm, eps)``) and NeoX-rotated
-        (``rope = (cos, sin)``, ``[B, Dh/2]``), k and v stored at ``positions [B]`` as ``write``
-        stores them. Returns float32 ``[B, Hq, Dh]`` queries and the cache."""
-        return cache_qk_prep(self, layer, 0, q, k, v, norms, rope, positions, interpret=interpret_kernels())
+        """A one-token step's queries and cache by one kernel (``pallas.attn_prep``): from ``qkv``
+        (``[P, B, (Hq + 2 Hkv) Dh]``, partial sums of q, k and v side by side), q and k RMS-normed
+        per head (``norms = (q_norm, k_norm, eps)``) and NeoX-rotated (``rope = (cos, sin)``,
+        ``[B, Dh/2]``), k and v stored at ``positions [B]`` as ``write`` stores them. Returns
+        float32 ``[B, Hq, Dh]`` queries and the cache."""
+        return cache_qk_prep(self, layer, 0, qkv, norms, rope, positions, interpret=interpret_kernels())
 
     def layer(self, i: int) -> tuple[jax.Array, jax.Array]:
         """Keys and values of layer ``i``: float32 ``[B, S, Hkv, Dh]`` each."""

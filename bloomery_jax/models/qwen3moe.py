@@ -235,17 +235,19 @@ def _attention_block(params, cfg: Config, i: int, x, cos, sin, positions, cache:
     ar = cfg.act_rounding
     # the attention norm goes with the projections: the one-launch decode GEMV forms it in-kernel
     norm = (as_f32(params[b + "attn_norm.weight"]), cfg.rms_eps)
-    q, k, v = qmatmul_many(x, [params[b + f"attn_{n}.weight"] for n in "qkv"], ar, norm=norm)
-    q = q.reshape(B, T, cfg.n_heads, cfg.head_dim)  # [B, T, Hq, Dh]
-    k = k.reshape(B, T, cfg.n_kv_heads, cfg.head_dim)  # [B, T, Hkv, Dh]
-    v = v.reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
+    ws = [params[b + f"attn_{n}.weight"] for n in "qkv"]
     # Qwen3: per-head RMSNorm of q and k before the rotation.
     q_norm, k_norm = as_f32(params[b + "attn_q_norm.weight"]), as_f32(params[b + "attn_k_norm.weight"])
     one_token = cfg.attention == "pallas" and T == 1
-    if one_token and attn_prep.serves(cfg.head_dim, cfg.n_rot):  # norms, rotation and cache write: one kernel
-        q1, cache = cache.write_one_normed(i, q[:, 0], k[:, 0], v[:, 0], (q_norm, k_norm, cfg.rms_eps),
-                                           (cos[:, 0], sin[:, 0]), positions[:, 0])  # q1 [B, Hq, Dh]
+    if one_token and attn_prep.serves(cfg.head_dim, cfg.n_rot):  # partial sums, norms, rotation, cache write: one kernel
+        qkv = qmatmul_many(x, ws, ar, norm=norm, partials=True)  # [S, B, (Hq + 2 Hkv) Dh]
+        q1, cache = cache.write_one_normed(i, qkv, (q_norm, k_norm, cfg.rms_eps), (cos[:, 0], sin[:, 0]),
+                                           positions[:, 0])  # q1 [B, Hq, Dh]
     else:
+        q, k, v = qmatmul_many(x, ws, ar, norm=norm)
+        q = q.reshape(B, T, cfg.n_heads, cfg.head_dim)  # [B, T, Hq, Dh]
+        k = k.reshape(B, T, cfg.n_kv_heads, cfg.head_dim)  # [B, T, Hkv, Dh]
+        v = v.reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
         q = apply_rope(rms_norm(q, q_norm, cfg.rms_eps), cos, sin, neox=True)
         k = apply_rope(rms_norm(k, k_norm, cfg.rms_eps), cos, sin, neox=True)
         cache = cache.write(i, k, v, positions)

@@ -68,7 +68,7 @@ def qmatmul(x: jax.Array, w, act_rounding: str = "none") -> jax.Array:
     return jnp.einsum("...k,nk->...n", x, as_f32(w), precision=HIGHEST)
 
 
-def qmatmul_many(x: jax.Array, ws, act_rounding: str = "none", norm: tuple | None = None) -> tuple:
+def qmatmul_many(x: jax.Array, ws, act_rounding: str = "none", norm: tuple | None = None, partials: bool = False):
     """``tuple(qmatmul(x, w, act_rounding) for w in ws)``: weights that read the same x (q, k, v).
 
     Decode steps with repacked weights take one launch for all of them (``qgemv_many``): the
@@ -76,21 +76,27 @@ def qmatmul_many(x: jax.Array, ws, act_rounding: str = "none", norm: tuple | Non
     else (prefill, the reference path, activation rounding that depends on the weight type) is
     one ``qmatmul`` per weight. ``norm = (weight [K], eps)`` first RMS-normalises x
     (``ops.norms.rms_norm``); the one-launch f32 path does that inside the kernel.
+    ``partials``: return float32 ``[S, R, sum N_j]`` (R = rows of x), whose sum over S is the
+    outputs side by side: the one-launch path's split-K partial sums as the kernel wrote them
+    (``qgemv_many(..., partials=True)``), S = 1 elsewhere.
     """
     rows = x.reshape(-1, x.shape[-1])  # [R, K]
     one_f32_launch = (act_rounding == "none" and rows.shape[0] <= GEMV_MAX_ROWS
                       and all(isinstance(w, PackedWeight) and w.layout in ("planes", "ggml") for w in ws))
     if one_f32_launch:
         kw = {} if norm is None else dict(norm=norm[0], eps=float(norm[1]))
-        ys = qgemv_many(rows.astype(jnp.float32), tuple(ws), **kw, interpret=interpret_kernels())
-        return tuple(y.reshape(*x.shape[:-1], y.shape[-1]) for y in ys)
+        ys = qgemv_many(rows.astype(jnp.float32), tuple(ws), **kw, partials=partials, interpret=interpret_kernels())
+        return ys if partials else tuple(y.reshape(*x.shape[:-1], y.shape[-1]) for y in ys)
     if norm is not None:
         x = rms_norm(x, *norm)
         rows = x.reshape(-1, x.shape[-1])
     if rows.shape[0] <= GEMV_MAX_ROWS and all(takes_q8(w, act_rounding) for w in ws):  # one rounding for all
         ys = qgemv_q8_many(quantize_q8_1(rows), tuple(ws), interpret=interpret_kernels())
-        return tuple(y.reshape(*x.shape[:-1], y.shape[-1]) for y in ys)
-    return tuple(qmatmul(x, w, act_rounding) for w in ws)
+    else:
+        ys = tuple(qmatmul(rows, w, act_rounding) for w in ws)  # [R, N_j] each
+    if partials:
+        return jnp.concatenate(ys, axis=-1)[None]  # [1, R, sum N_j]
+    return tuple(y.reshape(*x.shape[:-1], y.shape[-1]) for y in ys)
 
 
 def takes_q8(w, act_rounding: str) -> bool:

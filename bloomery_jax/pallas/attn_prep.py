@@ -1,25 +1,28 @@
 """A decode step's attention inputs in one kernel: q and k RMS-normed per head and rotated, the new
 key and value stored in the cache.
 
-Contract: ``decode_qk_prep(q [B, Hq, Dh], k [B, Hkv, Dh], v [B, Hkv, Dh], q_norm [Dh], k_norm [Dh],
-cos [B, Dh/2], sin [B, Dh/2], cache_k [L, N, S, Hkv, Dh], cache_v, layer, start, positions [B],
-eps) -> (q' [B, Hq, Dh], cache_k', cache_v')`` with ``q' = apply_rope(rms_norm(q, q_norm, eps),
-cos, sin, neox=True)`` and the caches equal to the inputs except position ``positions[b]`` of slot
+Contract: ``decode_qk_prep(qkv [P, B, (Hq + 2 Hkv) Dh], q_norm [Dh], k_norm [Dh], cos [B, Dh/2],
+sin [B, Dh/2], cache_k [L, N, S, Hkv, Dh], cache_v, layer, start, positions [B], eps) ->
+(q' [B, Hq, Dh], cache_k', cache_v')``, where the sum over P of ``qkv`` is q, k and v side by
+side (the projection's split-K partial sums, ``qgemv_many(..., partials=True)``, added here
+rather than by a launch of their own), ``q' = apply_rope(rms_norm(q, q_norm, eps), cos, sin,
+neox=True)`` and the caches equal to the inputs except position ``positions[b]`` of slot
 ``start + b`` of the layer, which holds the same transform of k (and v as it is), stored in the
 caches' dtype, for ``0 <= positions[b] < S`` (others are padding and write nothing). NeoX
 rotation over the whole head (Qwen3's rope); the cache buffers are updated in place
 (input/output aliases, donated by the step).
 
 Why: in XLA these are six small kernels a layer between the q/k/v projection and decode
-attention (the two norms' reductions, the rotation's concatenation, two dynamic-update-slices
-and a slice), each ~1.1-1.8 us of an ~96 us layer on the H200 (trace of 2026-12-04,
+attention (the partial sums and norms' reductions, the rotation's concatenation, two
+dynamic-update-slices and a slice), each ~1.1-1.8 us of an ~96 us layer on the H200 (trace of 2026-12-04,
 ``benchmarks/gpu_2026-12-04-s10/trace-call1``), mostly the card's launch-to-launch gap.
 
 How: a Pallas kernel (Triton lowering) on a grid ``(B, Hkv)``; program (b, h) normalises and
 rotates the G = Hq / Hkv query heads of kv head h and that kv head's key (each head as its two
 halves, the rotation's pairs), and stores the key and value rows into the cache through
 ``pl.ANY`` refs. Rounding: the same float32 operations as the reference, except the mean
-square, which sums the two halves separately (last bits only).
+square, which sums the two halves separately, and the partial sums, added in order (last bits
+only).
 """
 
 from __future__ import annotations
@@ -53,23 +56,32 @@ def _normed_rotated(x0, x1, w_ref, cos, sin, eps: float):
     return y0 * cos - y1 * sin, y0 * sin + y1 * cos
 
 
-def _kernel(start_ref, pos_ref, q_ref, k_ref, v_ref, qn_ref, kn_ref, cos_ref, sin_ref, ck_in, cv_in,
-            q_out, ck_ref, cv_ref, *, groups: int, layer: int, n_rows: int, n_slots: int, eps: float):
-    # start_ref, pos_ref [1]; q_ref, q_out [G, Dh]; k_ref, v_ref [Dh]; qn_ref, kn_ref [Dh]; cos_ref, sin_ref [Dh/2];
+def _kernel(start_ref, pos_ref, qkv_ref, qn_ref, kn_ref, cos_ref, sin_ref, ck_in, cv_in, q_out, ck_ref, cv_ref,
+            *, groups: int, n_kv: int, layer: int, n_rows: int, n_slots: int, eps: float):
+    # start_ref, pos_ref [1]; qkv_ref [P, (Hq + 2 Hkv) Dh]: partial sums of this sequence's q|k|v;
+    # q_out [G, Dh]; qn_ref, kn_ref [Dh]; cos_ref, sin_ref [Dh/2];
     # ck_ref, cv_ref [L*N, S, Hkv, Dh] (the whole caches, aliased to ck_in, cv_in)
     del ck_in, cv_in  # the same buffers as ck_ref, cv_ref
     half = cos_ref.shape[0]
+    head = pl.program_id(1)  # the kv head
     lo, hi = pl.ds(0, half), pl.ds(half, half)
     cos, sin = cos_ref[...].astype(F32), sin_ref[...].astype(F32)
+
+    def halves(h):
+        """Head h of q|k|v (h counts Dh-wide heads from q's first), its partial sums added: two [Dh/2]."""
+        parts = [[qkv_ref[s, pl.ds(h * 2 * half + j * half, half)].astype(F32) for j in range(2)]
+                 for s in range(qkv_ref.shape[0])]
+        return [functools.reduce(lambda a, b: a + b, [p[j] for p in parts]) for j in range(2)]
+
     for g in range(groups):
-        a, b = _normed_rotated(q_ref[g, lo].astype(F32), q_ref[g, hi].astype(F32), qn_ref, cos, sin, eps)
+        a, b = _normed_rotated(*halves(head * groups + g), qn_ref, cos, sin, eps)
         q_out[g, lo] = a
         q_out[g, hi] = b
-    k0, k1 = _normed_rotated(k_ref[lo].astype(F32), k_ref[hi].astype(F32), kn_ref, cos, sin, eps)
-    v0, v1 = v_ref[lo].astype(F32), v_ref[hi].astype(F32)
+    n_q = n_kv * groups
+    k0, k1 = _normed_rotated(*halves(n_q + head), kn_ref, cos, sin, eps)
+    v0, v1 = halves(n_q + n_kv + head)
     pos = pos_ref[0]
     row = layer * n_rows + start_ref[0] + pl.program_id(0)
-    head = pl.program_id(1)
 
     @pl.when((pos >= 0) & (pos < n_slots))
     def _():
@@ -79,13 +91,14 @@ def _kernel(start_ref, pos_ref, q_ref, k_ref, v_ref, qn_ref, kn_ref, cos_ref, si
 
 
 @functools.partial(jax.jit, static_argnames=("layer", "eps", "interpret"), donate_argnames=("cache_k", "cache_v"))
-def decode_qk_prep(q: jax.Array, k: jax.Array, v: jax.Array, q_norm: jax.Array, k_norm: jax.Array,
-                   cos: jax.Array, sin: jax.Array, cache_k: jax.Array, cache_v: jax.Array, layer: int, start,
-                   positions: jax.Array, *, eps: float, interpret: bool = False):
+def decode_qk_prep(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array, cos: jax.Array, sin: jax.Array,
+                   cache_k: jax.Array, cache_v: jax.Array, layer: int, start, positions: jax.Array, *, eps: float,
+                   interpret: bool = False):
     """Normed, rotated queries of one decode token per sequence, and the caches holding its key/value.
 
     Args:
-      q: float ``[B, Hq, Dh]``; k, v: float ``[B, Hkv, Dh]`` (the projections' outputs).
+      qkv: float ``[P, B, (Hq + 2 Hkv) Dh]``: P partial sums (P >= 1) of the projections' outputs
+        q, k and v side by side (Hkv and Dh are the caches').
       q_norm, k_norm: ``[Dh]`` RMS-norm weights of a head.
       cos, sin: float32 ``[B, Dh/2]`` rotation tables of each sequence's position (``ops.rope``).
       cache_k, cache_v: ``[L, N, S, Hkv, Dh]`` (any float dtype; the same for both); donated.
@@ -97,15 +110,15 @@ def decode_qk_prep(q: jax.Array, k: jax.Array, v: jax.Array, q_norm: jax.Array, 
     Returns:
       (float32 ``[B, Hq, Dh]``, cache_k, cache_v) as in the module's contract.
     """
-    B, Hq, Dh = q.shape
-    L, N, S, Hkv, _ = cache_k.shape
-    if (not serves(Dh, Dh) or Hq % Hkv or k.shape != (B, Hkv, Dh) or v.shape != k.shape
-            or cache_v.shape != cache_k.shape or cache_k.shape[4] != Dh or q_norm.shape != (Dh,)
-            or k_norm.shape != (Dh,) or cos.shape != (B, Dh // 2) or sin.shape != cos.shape
+    L, N, S, Hkv, Dh = cache_k.shape
+    n_parts, B, width = qkv.shape if qkv.ndim == 3 else (0, 0, 0)
+    Hq = width // Dh - 2 * Hkv
+    if (not serves(Dh, Dh) or width % Dh or Hq < Hkv or Hq % Hkv or n_parts < 1 or cache_v.shape != cache_k.shape
+            or q_norm.shape != (Dh,) or k_norm.shape != (Dh,) or cos.shape != (B, Dh // 2) or sin.shape != cos.shape
             or positions.shape != (B,)):
-        raise ValueError(f"decode_qk_prep: needs q [B, Hq, Dh], k/v [B, Hkv, Dh], norms [Dh], cos/sin [B, Dh/2], "
-                         f"caches [L, N, S, Hkv, Dh], positions [B], Dh/2 a power of two; got q {q.shape}, "
-                         f"k {k.shape}, v {v.shape}, norms {q_norm.shape} {k_norm.shape}, cos {cos.shape}, "
+        raise ValueError(f"decode_qk_prep: needs qkv [P, B, (Hq + 2 Hkv) Dh], norms [Dh], cos/sin [B, Dh/2], "
+                         f"caches [L, N, S, Hkv, Dh], positions [B], Hkv dividing Hq, Dh/2 a power of two; got qkv "
+                         f"{qkv.shape}, norms {q_norm.shape} {k_norm.shape}, cos {cos.shape}, "
                          f"caches {cache_k.shape} {cache_v.shape}, positions {positions.shape}")
     if cache_k.size >= 2 ** 31:  # the kernel's offsets are int32
         raise ValueError(f"decode_qk_prep: a cache of {cache_k.size} elements is over the kernel's 2^31")
@@ -114,35 +127,35 @@ def decode_qk_prep(q: jax.Array, k: jax.Array, v: jax.Array, q_norm: jax.Array, 
     G = Hq // Hkv
     flat = lambda a: a.reshape(L * N, S, Hkv, Dh)  # merges the leading axes: a view, not a copy  # noqa: E731
     whole = pl.BlockSpec(memory_space=pl.ANY)
-    head_row = pl.BlockSpec((None, None, Dh), lambda b, h: (b, h, 0))  # [Dh]: kv head h of sequence b
     table = pl.BlockSpec((None, Dh // 2), lambda b, h: (b, 0))  # [Dh/2]
     norm = pl.BlockSpec((Dh,), lambda b, h: (0,))
     q_heads = pl.BlockSpec((None, G, Dh), lambda b, h: (b, h, 0))  # [G, Dh]: query heads h*G..
-    kernel = functools.partial(_kernel, groups=G, layer=int(layer), n_rows=N, n_slots=S, eps=float(eps))
+    sums = pl.BlockSpec((n_parts, None, width), lambda b, h: (0, b, 0))  # [P, width]: sequence b's partials
+    kernel = functools.partial(_kernel, groups=G, n_kv=Hkv, layer=int(layer), n_rows=N, n_slots=S, eps=float(eps))
     q_out, ck, cv = pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((B, Hq, Dh), F32), jax.ShapeDtypeStruct((L * N, S, Hkv, Dh), cache_k.dtype),
                    jax.ShapeDtypeStruct((L * N, S, Hkv, Dh), cache_k.dtype)),
         grid=(B, Hkv),
-        in_specs=[pl.BlockSpec((1,), lambda b, h: (0,)), pl.BlockSpec((1,), lambda b, h: (b,)), q_heads, head_row, head_row, norm, norm, table, table,
-                  whole, whole],
+        in_specs=[pl.BlockSpec((1,), lambda b, h: (0,)), pl.BlockSpec((1,), lambda b, h: (b,)), sums, norm, norm,
+                  table, table, whole, whole],
         out_specs=(q_heads, whole, whole),
-        input_output_aliases={9: 1, 10: 2},
+        input_output_aliases={7: 1, 8: 2},
         compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
         interpret=interpret,
         name="decode_qk_prep",
-    )(jnp.asarray(start, jnp.int32).reshape(1), positions.astype(jnp.int32), q, k, v, q_norm, k_norm, cos.astype(F32), sin.astype(F32), flat(cache_k),
-      flat(cache_v))
+    )(jnp.asarray(start, jnp.int32).reshape(1), positions.astype(jnp.int32), qkv, q_norm, k_norm, cos.astype(F32),
+      sin.astype(F32), flat(cache_k), flat(cache_v))
     return q_out, ck.reshape(cache_k.shape), cv.reshape(cache_v.shape)
 
 
-def cache_qk_prep(cache, layer: int, start, q: jax.Array, k: jax.Array, v: jax.Array, norms, rope,
-                  positions: jax.Array, *, interpret: bool = False):
+def cache_qk_prep(cache, layer: int, start, qkv: jax.Array, norms, rope, positions: jax.Array, *,
+                  interpret: bool = False):
     """:func:`decode_qk_prep` on a cache object's ``k``, ``v`` buffers (``models.kv_cache.KVCache``,
     ``engine.cache.SlotCache``): ``norms = (q_norm, k_norm, eps)``, ``rope = (cos, sin)``.
     Returns (queries, the cache with the new buffers)."""
     q_norm, k_norm, eps = norms
     cos, sin = rope
-    q, new_k, new_v = decode_qk_prep(q, k, v, q_norm, k_norm, cos, sin, cache.k, cache.v, layer, start, positions,
+    q, new_k, new_v = decode_qk_prep(qkv, q_norm, k_norm, cos, sin, cache.k, cache.v, layer, start, positions,
                                      eps=float(eps), interpret=interpret)
     return q, dataclasses.replace(cache, k=new_k, v=new_v)

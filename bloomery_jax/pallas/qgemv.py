@@ -504,9 +504,9 @@ def many_operands(ws, k: int, lead: tuple, name: str, tuning: str | None = None,
     return Many(bn, tuple(parts), arrays, specs, start, params, split)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("eps", "config", "partials", "interpret"))
 def qgemv_many(x: jax.Array, ws: tuple, *, norm: jax.Array | None = None, eps: float = 0.0,
-               config: GemvConfig | None = None, interpret: bool = False) -> tuple:
+               config: GemvConfig | None = None, partials: bool = False, interpret: bool = False):
     """``tuple(x @ w.T for w in ws)`` in one launch: several planes- or ggml-layout weights that
     read the same x (q, k and v of a layer), each with its own format and layout.
 
@@ -524,9 +524,12 @@ def qgemv_many(x: jax.Array, ws: tuple, *, norm: jax.Array | None = None, eps: f
         order, so the last bits may differ).
       eps: the norm's epsilon.
       config: launch parameters (``many_operands``); None picks ``pick_many_config``.
+      partials: return the launch's output as it is, float32 ``[S, B, sum N_j]``: the S split-K
+        partial sums (S >= 1) of the outputs side by side, for a consumer that adds them as it
+        reads (``attn_prep``) instead of a launch that adds and cuts them.
       interpret: run with the Pallas interpreter (CPU tests).
     Returns:
-      tuple of float32 ``[B, N_j]``.
+      tuple of float32 ``[B, N_j]`` (one array with ``partials``).
     """
     if x.ndim != 2 or not 1 <= x.shape[0] <= 8:
         raise ValueError(f"qgemv_many: x must be [B<=8, K], got {x.shape}")
@@ -547,4 +550,4 @@ def qgemv_many(x: jax.Array, ws: tuple, *, norm: jax.Array | None = None, eps: f
         interpret=interpret,
         name="qgemv_many",
     )(x, *norms, *m.arrays)
-    return m.split(y)
+    return y if partials else m.split(y)
