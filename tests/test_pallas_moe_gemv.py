@@ -208,6 +208,29 @@ def test_gate_and_up_side_by_side():
         moe_gemv(gu, dw, experts, up=gu, swiglu_halves=True, interpret=True)
 
 
+def test_many_with_the_norm_in_kernel():
+    """norm=: gate and up read rms_norm(x) formed in-kernel. Against the normalised x handed in:
+    the mean square sums in another order, so the scale may differ by an ulp or two; each output
+    within 4 ulps of sum |x_n w| (as qgemv_many's norm test)."""
+    from bloomery_jax.ops.norms import rms_norm
+    from bloomery_jax.pallas.moe_gemv import moe_gemv_many
+
+    rng = np.random.default_rng(43)
+    (_, gw, g64), (_, uw, u64) = (stacked(T.Q4_K, 5, 64, 512, rng) for _ in range(2))
+    experts = jnp.asarray(rng.integers(0, 5, 4), jnp.int32)
+    x = jnp.asarray(rng.standard_normal((2, 512)) * 5, jnp.float32)  # 2 tokens of 2 pairs
+    nw = jnp.asarray(rng.uniform(0.5, 2, 512), jnp.float32)
+    got = moe_gemv_many(x, (gw, uw), experts, pairs_per_row=2, norm=nw, eps=1e-6, interpret=True)
+    xn = rms_norm(x, nw, 1e-6)
+    want = moe_gemv_many(xn, (gw, uw), experts, pairs_per_row=2, interpret=True)
+    xp = np.repeat(np.abs(np.asarray(xn, np.float64)), 2, axis=0)  # [P, K]: each pair's token row
+    for a, b, w64 in zip(got, want, (g64, u64)):
+        mag = np.einsum("pk,pnk->pn", xp, np.abs(w64[np.asarray(experts)]))
+        assert np.all(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)) <= 4 * U * mag)
+    with pytest.raises(ValueError, match=r"norm must be \[512\]"):
+        moe_gemv_many(x, (gw, uw), experts, pairs_per_row=2, norm=nw[:256], interpret=True)
+
+
 @pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
 def test_fused_swiglu_lowers_to_triton_for_h200(monkeypatch):
     """The decode down projection with the hidden vector formed in-kernel (Q6_K, 8 pairs)."""
@@ -233,6 +256,9 @@ def test_many_lowers_to_triton_for_h200(monkeypatch):
     experts = jax.ShapeDtypeStruct((8,), jnp.int32)
     assert triton_kernels(monkeypatch, lambda x, ws, e: moe_gemv_many(x, ws, e, pairs_per_row=8), x, ws, experts) == [
         ("moe_gemv_many", 90, True)]
+    nw = jax.ShapeDtypeStruct((2048,), jnp.float32)  # the model's call: the ffn norm in-kernel, outputs joined
+    fn = lambda x, n, ws, e: moe_gemv_many(x, ws, e, pairs_per_row=8, norm=n, eps=1e-6, joined=True)  # noqa: E731
+    assert triton_kernels(monkeypatch, fn, x, nw, ws, experts) == [("moe_gemv_many", 90, True)]
 
 
 @pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")

@@ -31,6 +31,7 @@ from ..pallas.moe_gemv import moe_gemv, moe_gemv_many
 from ..pallas.qgemv_q8 import moe_gemv_q8, moe_gemv_q8_many
 from ..quant.repack import PackedWeight, repack_on_device
 from .actquant import quantize_q8_1, round_activations
+from .norms import rms_norm
 from .qmatmul import as_f32, interpret_kernels, takes_q8, weight_qtype
 
 MOE_GEMV_MAX_PAIRS = 64
@@ -71,22 +72,26 @@ def grouped_matmul(x_sorted: jax.Array, w: jax.Array, group_sizes: jax.Array) ->
 
 
 def moe_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate, up, down,
-               act_rounding: str = "none", precision: str = "tf32x3") -> jax.Array:
+               act_rounding: str = "none", precision: str = "tf32x3", norm: tuple | None = None) -> jax.Array:
     """Weighted sum of the chosen SwiGLU experts of every token.
 
     Args:
-      x: float32 ``[N, D]`` (N tokens).
+      x: float32 ``[N, D]`` (N tokens); with ``norm``, before the norm.
       experts: int32 ``[N, k]`` chosen experts.
       weights: float32 ``[N, k]`` their weights.
       gate, up: QTensor or array ``[E, F, D]``; down: ``[E, D, F]`` (F expert hidden size).
       act_rounding: ``"none"`` or ``"ggml-cpu"`` (see ``ops/actquant.py``).
       precision: the grouped GEMM's tensor-core precision (``pallas.moe_gemm``; packed weights only).
+      norm: None, or ``(weight [D], eps)``: the experts read ``ops.norms.rms_norm(x, weight, eps)``
+        (the decode GEMV forms it in its gate/up launch; other paths first).
     Returns:
       float32 ``[N, D]``.
     """
     N, k = experts.shape
     if isinstance(gate, PackedWeight) and N * k <= min(MOE_GEMV_MAX_PAIRS, gate.shape[0] // 2):
-        return _moe_swiglu_gemv(x, experts, weights, gate, up, down, act_rounding)
+        return _moe_swiglu_gemv(x, experts, weights, gate, up, down, act_rounding, norm)
+    if norm is not None:
+        x = rms_norm(x, *norm)
     if isinstance(gate, PackedWeight):
         config = dataclasses.replace(pick_gemm_config(N * k, gate.shape[0]), precision=precision)
         return _moe_swiglu_gemm(x, experts, weights, gate, up, down, act_rounding, config)
@@ -116,23 +121,26 @@ def _weighted_sum(y: jax.Array, weights: jax.Array) -> jax.Array:
     return out
 
 
-def _moe_swiglu_gemv(x, experts, weights, gate, up, down, act_rounding):
+def _moe_swiglu_gemv(x, experts, weights, gate, up, down, act_rounding, norm):
     """:func:`moe_swiglu` for few pairs with the Pallas MoE GEMV (packed weights)."""
     N, k = experts.shape
     interpret = interpret_kernels()
     flat = experts.reshape(N * k)  # [P] pairs, token-major
     x = x.astype(jnp.float32)
     # The gate/up kernels read each token's row for its k pairs (pairs_per_row): no [P, D] copy.
+    if act_rounding == "none":  # gate and up read the same x: one launch, the norm formed in it
+        kw = {} if norm is None else dict(norm=norm[0], eps=float(norm[1]))
+        gu = moe_gemv_many(x, (gate, up), flat, pairs_per_row=k, joined=True, **kw, interpret=interpret)  # [P, 2F]
+        y = moe_gemv(gu, down, flat, swiglu_halves=True, interpret=interpret)  # swiglu formed where down reads it
+        return _weighted_sum(y.reshape(N, k, -1), weights)  # [N, k, D] -> [N, D]
+    if norm is not None:
+        x = rms_norm(x, *norm)
     if takes_q8(gate, act_rounding):  # integer dot products on Q8_1 rows
         h = swiglu(*moe_gemv_q8_many(quantize_q8_1(x), (gate, up), flat, pairs_per_row=k, interpret=interpret))
         y = moe_gemv_q8(quantize_q8_1(h), down, flat, interpret=interpret)  # [P, D]
         return _weighted_sum(y.reshape(N, k, -1), weights)
     xg = round_activations(x, weight_qtype(gate), act_rounding)  # [N, D]
     xu = round_activations(x, weight_qtype(up), act_rounding)
-    if act_rounding == "none":  # gate and up read the same x: one launch (decode is launch-bound)
-        gu = moe_gemv_many(xg, (gate, up), flat, pairs_per_row=k, joined=True, interpret=interpret)  # [P, 2F]
-        y = moe_gemv(gu, down, flat, swiglu_halves=True, interpret=interpret)  # swiglu formed where down reads it
-        return _weighted_sum(y.reshape(N, k, -1), weights)  # [N, k, D] -> [N, D]
     h = swiglu(moe_gemv(xg, gate, flat, pairs_per_row=k, interpret=interpret),
                moe_gemv(xu, up, flat, pairs_per_row=k, interpret=interpret))
     h = round_activations(h, weight_qtype(down), act_rounding)
@@ -157,7 +165,8 @@ def _moe_swiglu_gemm(x, experts, weights, gate, up, down, act_rounding, config):
 
 
 def placed_moe_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate, up, down,
-                      act_rounding: str, placement, layer: int, precision: str = "tf32x3") -> jax.Array:
+                      act_rounding: str, placement, layer: int, precision: str = "tf32x3",
+                      norm: tuple | None = None) -> jax.Array:
     """:func:`moe_swiglu` with each expert computed where ``placement`` puts it.
 
     Card experts run on their slots of the layer's card buffers (``gate``/``up``/``down`` hold
@@ -177,13 +186,17 @@ def placed_moe_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate
       gate, up, down: the layer's card expert buffers ``[n_slots, F, D]`` / ``[n_slots, D, F]``.
       placement: ``placement.Placement`` or None (every expert on the card, slot = expert id).
       layer: this layer's index in ``placement.slot_of``.
-      precision: as for :func:`moe_swiglu`.
+      precision, norm: as for :func:`moe_swiglu` (the host and the streamed experts read the
+        normed x, formed first).
     Returns:
       float32 ``[N, D]``.
     """
     if placement is None:
-        return moe_swiglu(x, experts, weights, gate, up, down, act_rounding, precision)
+        return moe_swiglu(x, experts, weights, gate, up, down, act_rounding, precision, norm)
     host = placement.host if placement.host is not None and placement.host.has_layer(layer) else None
+    card_x, card_norm = x, norm  # the card's kernels may form the norm themselves
+    if norm is not None:
+        x = rms_norm(x, *norm)
     if host is not None and streams_host_experts(x.shape[0]):
         full = [host.stream(layer, role) for role in ("gate", "up", "down")]  # QTensor [E, ...] each
         if isinstance(gate, PackedWeight):  # the kernels read the card buffers' layout: repack on the card
@@ -195,8 +208,8 @@ def placed_moe_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate
     n_slots = gate.shape[0]
     out = jnp.zeros(x.shape, jnp.float32)
     if n_slots:
-        out = moe_swiglu(x, jnp.where(on_card, slots, 0), jnp.where(on_card, weights, 0.0), gate, up, down,
-                         act_rounding, precision)
+        out = moe_swiglu(card_x, jnp.where(on_card, slots, 0), jnp.where(on_card, weights, 0.0), gate, up, down,
+                         act_rounding, precision, card_norm)
     if host is not None:
         on_host = slot_of < 0  # [E]
         if host.skip_empty_calls:

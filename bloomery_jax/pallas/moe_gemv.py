@@ -31,8 +31,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ..quant.repack import PackedWeight
-from .qgemv import (F32, _accumulate, _launch, _weight_fields, accumulate_part, add_partials, format_of,
-                    many_operands, run_parts, tuning_layout)
+from .qgemv import (F32, _accumulate, _launch, _NormedRows, _weight_fields, accumulate_part, add_partials,
+                    format_of, many_operands, run_parts, tuning_layout)
 from .qgemv_tuned import GemvConfig, pick_config
 
 __all__ = ["GemvConfig", "moe_gemv", "moe_gemv_many"]
@@ -180,7 +180,9 @@ def moe_gemv(x: jax.Array, w: PackedWeight, experts: jax.Array, *, up: jax.Array
     )(experts.astype(jnp.int32), *xs, *arrays))
 
 
-def _moe_many_kernel(e_ref, x_ref, *refs, parts, n_experts: int, bn: int):
+def _moe_many_kernel(e_ref, x_ref, *refs, parts, n_experts: int, bn: int, eps: float | None):
+    if eps is not None:  # refs[0]: the norm weight [K]
+        x_ref, refs = _NormedRows(x_ref, refs[0], eps, 1), refs[1:]
     e = expert_index(e_ref, n_experts)
     o_ref = refs[-1]  # [1, 1, BN]
 
@@ -191,9 +193,10 @@ def _moe_many_kernel(e_ref, x_ref, *refs, parts, n_experts: int, bn: int):
               view=lambda r: _ExpertView(r, e))
 
 
-@functools.partial(jax.jit, static_argnames=("pairs_per_row", "config", "joined", "interpret"))
+@functools.partial(jax.jit, static_argnames=("pairs_per_row", "eps", "config", "joined", "interpret"))
 def moe_gemv_many(x: jax.Array, ws: tuple, experts: jax.Array, *, pairs_per_row: int = 1,
-                  config: GemvConfig | None = None, joined: bool = False, interpret: bool = False):
+                  norm: jax.Array | None = None, eps: float = 0.0, config: GemvConfig | None = None,
+                  joined: bool = False, interpret: bool = False):
     """``tuple(moe_gemv(x, w, experts) for w in ws)`` in one launch (gate and up of a MoE layer).
 
     As ``qgemv.qgemv_many`` for stacked expert weights: program (p, i) serves pair p and a row
@@ -204,6 +207,8 @@ def moe_gemv_many(x: jax.Array, ws: tuple, experts: jax.Array, *, pairs_per_row:
       x: float ``[P / pairs_per_row, K]``; ws: tuple of 3-D planes- or ggml-layout PackedWeights
         ``[E, N_j, K]`` with the same E; experts: integer ``[P]``.
       pairs_per_row: consecutive pairs that share a row of x (as in :func:`moe_gemv`).
+      norm, eps: None, or a float ``[K]`` RMS-norm weight and its epsilon: the products are
+        those of ``ops.norms.rms_norm(x, norm, eps)``, formed in-kernel as ``qgemv_many`` does.
       config: launch parameters (``qgemv.many_operands``); None picks ``pick_many_config``.
       joined: return the outputs side by side, float32 ``[P, sum N_j]``, not cut apart (on the
         GPU the cut is a kernel of its own; ``moe_gemv(..., swiglu_halves=True)`` reads them so).
@@ -213,16 +218,21 @@ def moe_gemv_many(x: jax.Array, ws: tuple, experts: jax.Array, *, pairs_per_row:
     """
     n_exp, _, k = ws[0].shape
     n_pairs = _check_rows("moe_gemv_many", x, experts, k, pairs_per_row)
+    if norm is not None and norm.shape != (k,):
+        raise ValueError(f"moe_gemv_many: norm must be [{k}], got {norm.shape}")
     m = many_operands(ws, k, (n_exp,), "moe_gemv_many", config=config)
+    norms = () if norm is None else (norm.astype(F32),)
     y = pl.pallas_call(
-        functools.partial(_moe_many_kernel, parts=m.parts, n_experts=n_exp, bn=m.bn),
+        functools.partial(_moe_many_kernel, parts=m.parts, n_experts=n_exp, bn=m.bn,
+                          eps=None if norm is None else float(eps)),
         out_shape=jax.ShapeDtypeStruct((m.split_k, n_pairs, m.tiles * m.bn), F32),
         grid=(m.split_k, n_pairs, m.tiles),
         in_specs=[pl.BlockSpec((1,), lambda s, p, i: (p,)),
-                  pl.BlockSpec((1, k), lambda s, p, i: (p // pairs_per_row, 0)), *m.specs],
+                  pl.BlockSpec((1, k), lambda s, p, i: (p // pairs_per_row, 0)),
+                  *[pl.BlockSpec((k,), lambda s, p, i: (0,))] * len(norms), *m.specs],
         out_specs=pl.BlockSpec((1, 1, m.bn), lambda s, p, i: (s, p, i)),
         compiler_params=m.compiler_params,
         interpret=interpret,
         name="moe_gemv_many",
-    )(experts.astype(jnp.int32), x, *m.arrays)
+    )(experts.astype(jnp.int32), x, *norms, *m.arrays)
     return add_partials(y) if joined else m.split(y)
