@@ -156,3 +156,30 @@ def test_q8_kernels_match_reference_with_cuda_rounding(q4km, n_tokens, ubatch):
     # the rounding is real: exact activations give other logits
     exact = sequence_logits(load_model(q4km, kernels="reference", weights="blocks"), ids, ubatch=ubatch)
     assert np.abs(exact - ref).max() > 10 * TOL * std
+
+
+@pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
+def test_decode_step_lowers_to_triton_for_h200(q4km, monkeypatch):
+    """The whole one-token step of the GPU configuration (pallas kernels, attention and routing),
+    lowered for an H200 without one: every kernel a verified Triton module, the q/k prep among them
+    (it reads the q/k/v launch's partial sums and writes the cache through aliases)."""
+    import importlib
+
+    import jax.numpy as jnp
+
+    from bloomery_jax.models import qwen3moe
+    from triton_lowering import triton_kernels
+
+    model = load_model(q4km, kernels="pallas", attention="pallas", routing="pallas")
+    for name in ("ops.qmatmul", "ops.experts", "models.kv_cache", "models.qwen3moe"):  # compile, not interpret
+        module = importlib.import_module(f"bloomery_jax.{name}")
+        if hasattr(module, "interpret_kernels"):
+            monkeypatch.setattr(module, "interpret_kernels", lambda: False)
+    cache = qwen3moe.init_cache(model.cfg, 1, 64)
+    step = lambda params, tokens, positions, cache: qwen3moe.forward(params, model.cfg, tokens, positions, cache)  # noqa: E731
+    built = triton_kernels(monkeypatch, step, model.params, jnp.zeros((1, 1), jnp.int32), jnp.full((1, 1), 5, jnp.int32),
+                           cache)
+    names = {name for name, _, _ in built}
+    assert {"qgemv_many", "decode_qk_prep", "decode_attention", "route_topk", "moe_gemv_many"} <= names, names
+    assert all(cc == 90 and ok for _, cc, ok in built)
+

@@ -27,7 +27,7 @@ def triton_kernels(monkeypatch, fn, *args) -> list[tuple[str, int, bool]]:
     monkeypatch.setattr(reg.lowering, "lower_jaxpr_to_triton_module", verified)
     jax.clear_caches()  # a lowering cached by an earlier test would skip the hook
     h200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
-    with use_abstract_mesh(AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=h200)):
+    with use_abstract_mesh(AbstractMesh((1,), ("x",), (AxisType.Auto,), abstract_device=h200)):
         lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     assert "__gpu$xla.gpu.triton" in lowered.as_text()
     return built
