@@ -3,7 +3,9 @@
 Loads a model as `bench` does, prefills one prompt, then runs --steps decode steps of one
 sequence twice: first timed (per step: the jitted call's return = host dispatch, then the wait
 for the sampled token = the rest), then under ``jax.profiler.trace`` with a Perfetto trace,
-whose device events are summed by kernel name. Prints one JSON line:
+whose device events are summed by kernel name. With ``--prefill`` the "steps" are whole
+prefills of the --prompt tokens instead (a fresh sequence each, one ubatch of --prompt), for
+pp512's breakdown. Prints one JSON line:
 
   leaves           arrays passed to every step (params, placement): dispatch walks them all
   dispatch_ms      median time for the step call to return (async: the host's own work)
@@ -18,6 +20,7 @@ whose device events are summed by kernel name. Prints one JSON line:
 Beside profile.json, events.json.gz keeps every event of the trace (host threads too), compact.
 
   python scripts/profile_decode.py --model M.gguf --kernels pallas --out prof/   # GPU
+  python scripts/profile_decode.py --model M.gguf --kernels pallas --prefill --prompt 512 --steps 3 --out pp/
   python scripts/profile_decode.py --tiny --out /tmp/prof                        # CPU smoke run
 
 XLA turns command buffers off while a profiler runs, so the trace shows kernels launched one by
@@ -78,6 +81,24 @@ def timed_steps(engine, seq, n: int, block: int = 1) -> tuple[list[float], list[
         dispatch += [(t1 - t0) / block] * block
         total += [(t2 - t0) / block] * block
     return dispatch, total
+
+
+def timed_prefills(engine, n: int, prompt: int) -> tuple[list[float], list[float]]:
+    """n prefills of a fresh ``prompt``-token sequence (released after): (dispatch seconds of
+    the last chunk's call, call-to-logits seconds of the whole prefill) each."""
+    dispatch, total = [], []
+    rng = np.random.default_rng(1)
+    for _ in range(n):
+        seq = engine.add(rng.integers(0, engine.n_vocab, prompt).tolist(), SamplingParams(temperature=0.0))
+        t0 = time.perf_counter()
+        while seq.pending > 1:
+            t1 = time.perf_counter()
+            engine.prefill(seq)
+            dispatch.append(time.perf_counter() - t1)
+        jax.block_until_ready(engine.cache)
+        total.append(time.perf_counter() - t0)
+        engine.release(seq)
+    return dispatch[-n:], total
 
 
 def trace_events(trace_dir: Path) -> list[dict]:
@@ -167,6 +188,7 @@ def main(argv=None):
     p.add_argument("--top", type=int, default=40, help="kernels listed")
     p.add_argument("--out", type=Path, required=True, help="trace directory (and profile.json)")
     p.add_argument("--decode-block", type=int, default=1, help="decode steps a device call (--steps a multiple)")
+    p.add_argument("--prefill", action="store_true", help="profile prefills of --prompt tokens, not decode steps")
     p.add_argument("--step-gap-us", type=float, default=200.0,
                    help="an idle device gap longer than this separates two steps in the trace")
     p.add_argument("--no-trace", action="store_true",
@@ -187,19 +209,23 @@ def main(argv=None):
                                    a.routing)
     engine = Engine(model, n_slots=1, max_context=a.prompt + 3 * a.steps + 2 * a.decode_block + 8,
                     ubatch=max(a.prompt, 16))
-    seq = engine.add(np.random.default_rng(0).integers(0, engine.n_vocab, a.prompt).tolist(),
-                     SamplingParams(temperature=0.0))
-    while seq.pending > 1:
-        engine.prefill(seq)
+    if a.prefill:
+        run = lambda n: timed_prefills(engine, n, a.prompt)  # noqa: E731
+    else:
+        seq = engine.add(np.random.default_rng(0).integers(0, engine.n_vocab, a.prompt).tolist(),
+                         SamplingParams(temperature=0.0))
+        while seq.pending > 1:
+            engine.prefill(seq)
+        run = lambda n: timed_steps(engine, seq, n, a.decode_block)  # noqa: E731
     t0 = time.perf_counter()
-    timed_steps(engine, seq, 2 * a.decode_block, a.decode_block)  # compile and warm
+    run(2 * a.decode_block)  # compile and warm
     compile_s = time.perf_counter() - t0
-    dispatch, total = timed_steps(engine, seq, a.steps, a.decode_block)
+    dispatch, total = run(a.steps)
     busy_ms, kernels, span_ms, n_split, middle = None, [], None, None, []
     if not a.no_trace:
         trace_dir = a.out / "trace"
         with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
-            timed_steps(engine, seq, a.steps, a.decode_block)
+            run(a.steps)
         everything = trace_events(trace_dir)
         save_events(everything, a.out / "events.json.gz")
         events = device_events(everything)
@@ -209,7 +235,7 @@ def main(argv=None):
         span_ms = statistics.median(step_spans(steps)) / 1e3
         middle = timeline(steps[len(steps) // 2])
     leaves = len(jax.tree_util.tree_leaves((engine.params, engine.placement)))
-    result = dict(bench="profile_decode", model=a.model, kernels=a.kernels, attention=a.attention, place=a.place, bridge=a.bridge, routing=a.routing, decode_block=a.decode_block,
+    result = dict(bench="profile_prefill" if a.prefill else "profile_decode", prompt=a.prompt, model=a.model, kernels=a.kernels, attention=a.attention, place=a.place, bridge=a.bridge, routing=a.routing, decode_block=a.decode_block,
                   device=str(jax.devices()[0].device_kind), layers=model.cfg.n_layers, leaves=leaves,
                   load_s=round(load_s, 1), compile_s=round(compile_s, 1), steps=a.steps,
                   dispatch_ms=round(statistics.median(dispatch) * 1e3, 3),
