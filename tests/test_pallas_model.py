@@ -183,3 +183,24 @@ def test_decode_step_lowers_to_triton_for_h200(q4km, monkeypatch):
     assert {"qgemv_many", "decode_qk_prep", "decode_attention", "route_topk", "moe_gemv_many"} <= names, names
     assert all(cc == 90 and ok for _, cc, ok in built)
 
+
+
+def test_packed_prefill_products_take_tf32x3_on_gpus(monkeypatch):
+    """A packed weight times more rows than the GEMV takes: three TF32 passes when lowered for a
+    GPU (tensor cores, f32-like error), HIGHEST's f32 on the CPU (which has no TF32 algorithms)."""
+    import jax
+    import jax.numpy as jnp
+    from gguf import GGMLQuantizationType as T
+
+    from bloomery_jax.ops import qmatmul as qm
+    from bloomery_jax.quant.repack import repack
+    from bloomery_jax.synth.blocks import random_blocks
+    from triton_lowering import lowered_for_h200
+
+    w = repack(random_blocks(T.Q4_K, (64, 256), 0.02, np.random.default_rng(0)), T.Q4_K, (64, 256))
+    x = jnp.zeros((16, 256), jnp.float32)
+    cpu = jax.jit(qm.qmatmul).lower(x, w).as_text()
+    assert "tf32" not in cpu and "HIGHEST" in cpu
+    monkeypatch.setattr(qm, "interpret_kernels", lambda: False)
+    dots = [line for line in lowered_for_h200(qm.qmatmul, x, w).splitlines() if "dot_general" in line]
+    assert dots and all("lhs_precision_type = tf32" in d and "num_primitive_operations = 3" in d for d in dots)

@@ -26,8 +26,12 @@ def triton_kernels(monkeypatch, fn, *args) -> list[tuple[str, int, bool]]:
 
     monkeypatch.setattr(reg.lowering, "lower_jaxpr_to_triton_module", verified)
     jax.clear_caches()  # a lowering cached by an earlier test would skip the hook
+    assert "__gpu$xla.gpu.triton" in lowered_for_h200(fn, *args)
+    return built
+
+
+def lowered_for_h200(fn, *args) -> str:
+    """The StableHLO text of ``jax.jit(fn)(*args)`` lowered for an abstract H200."""
     h200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
     with use_abstract_mesh(AbstractMesh((1,), ("x",), (AxisType.Auto,), abstract_device=h200)):
-        lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
-    assert "__gpu$xla.gpu.triton" in lowered.as_text()
-    return built
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
