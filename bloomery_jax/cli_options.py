@@ -17,9 +17,9 @@ KERNELS_HELP = ("card matmuls: reference (jnp dequantize + matmul), pallas (GPU 
                 "CUDA backend does; integer dot products at decode) or auto: pallas on a GPU (default auto)")
 
 
-ATTENTION_HELP = ("decode attention: xla (jnp; on the GPU each layer's cache is copied out and attended "
-                  "over in full under a mask) or pallas (a kernel reading only each sequence's filled "
-                  "positions straight from the cache; default xla)")
+ATTENTION_HELP = ("attention: xla (jnp; on the GPU each layer's cache is copied out and attended "
+                  "over in full under a mask) or pallas (decode and flash prefill kernels reading only each "
+                  "sequence's visible positions straight from the cache; default xla)")
 
 
 ROUTING_HELP = ("MoE routing: xla (softmax, sort and gather: three or four kernels a layer on the GPU) or "

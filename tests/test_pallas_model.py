@@ -3,8 +3,8 @@ the Pallas interpreter on the CPU) give the reference path's results.
 
 - Decode steps (one token) run qgemv and moe_gemv; prefill steps run moe_gemm for the experts
   and dequantize the other repacked weights (bit-exact). ``attention="pallas"`` makes decode
-  steps attend with pallas.decode_attention straight from the cache buffer (plain cache and the
-  engine's slot windows). The kernels sum in another order than
+  steps attend with pallas.decode_attention and prefill steps with pallas.prefill_attention,
+  straight from the cache buffer (plain cache and the engine's slot windows). The kernels sum in another order than
   XLA's dot: the logits agree within 1e-4 x their standard deviation (the hybrid tests' bound; a
   wrong weight or expert moves logits by about one std), and greedy tokens are identical.
 """
@@ -162,7 +162,8 @@ def test_q8_kernels_match_reference_with_cuda_rounding(q4km, n_tokens, ubatch):
 def test_decode_step_lowers_to_triton_for_h200(q4km, monkeypatch):
     """The whole one-token step of the GPU configuration (pallas kernels, attention and routing),
     lowered for an H200 without one: every kernel a verified Triton module, the q/k prep among them
-    (it reads the q/k/v launch's partial sums and writes the cache through aliases)."""
+    (it reads the q/k/v launch's partial sums and writes the cache through aliases); then a
+    prefill step likewise."""
     import importlib
 
     import jax.numpy as jnp
@@ -181,6 +182,12 @@ def test_decode_step_lowers_to_triton_for_h200(q4km, monkeypatch):
                            cache)
     names = {name for name, _, _ in built}
     assert {"qgemv_many", "decode_qk_prep", "decode_attention", "route_topk", "moe_gemv_many"} <= names, names
+    assert all(cc == 90 and ok for _, cc, ok in built)
+    # a 16-token prefill step: flash attention from the cache, the grouped expert GEMM
+    built = triton_kernels(monkeypatch, step, model.params, jnp.zeros((1, 16), jnp.int32),
+                           jnp.arange(16, dtype=jnp.int32)[None], cache)
+    names = {name for name, _, _ in built}
+    assert "prefill_attention" in names and any(n.startswith("moe_gemm") for n in names), names
     assert all(cc == 90 and ok for _, cc, ok in built)
 
 

@@ -8,9 +8,9 @@ A forward step sees a *window* of ``rows`` consecutive slots starting at ``start
 int32, so moving the window never recompiles; ``rows`` is static): row ``b`` of the step's
 tokens reads and writes slot ``start + b``. The window offers the interface the model forwards
 use (models/kv_cache.py's): ``write(layer, k, v, positions)``, ``layer(i)``, ``mask(positions)``,
-``write_one_normed``, ``attend_one(layer, q, positions, scale)``, ``with_lengths(positions)``,
-``lengths`` and ``max_len``. Positions outside ``[0, S)`` are padding: nothing is stored for them and the
-lengths do not move.
+``write_one_normed``, ``attend_one(layer, q, positions, scale)``, ``attend_many``,
+``with_lengths(positions)``, ``lengths`` and ``max_len``. Positions outside ``[0, S)`` are
+padding: nothing is stored for them and the lengths do not move.
 
 The whole cache is one pytree: pass it into the jitted step and donate it, and XLA updates the
 buffers in place (the scatter of new keys and the lengths are the only writes).
@@ -28,6 +28,7 @@ from ..ops.attention import causal_mask
 from ..ops.qmatmul import interpret_kernels
 from ..pallas.attention import cache_decode_attention
 from ..pallas.attn_prep import cache_qk_prep
+from ..pallas.flash_attention import cache_prefill_attention
 
 KV_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -112,6 +113,12 @@ class SlotCache:
         straight from the cache buffer (no layer copy; padding rows get zeros)."""
         return cache_decode_attention(self.k, self.v, layer, self.start, q, positions, self.lengths, scale,
                                       interpret=interpret_kernels())
+
+    def attend_many(self, layer: int, q: jax.Array, positions: jax.Array, scale: float) -> jax.Array:
+        """float32 ``[B, T, Hq, Dh]``: the window's T queries a row, by the Pallas prefill kernel
+        straight from the cache buffer (as ``attend_one``; queries that see nothing get zeros)."""
+        return cache_prefill_attention(self.k, self.v, layer, self.start, q, positions, self.lengths, scale,
+                                       interpret=interpret_kernels())
 
     def mask(self, positions: jax.Array) -> jax.Array:
         """bool ``[B, T, S]``: causal mask of the window's queries over the filled positions.

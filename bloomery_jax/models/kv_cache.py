@@ -9,7 +9,8 @@ use position ``S``).
 It is a pytree passed into and returned from the jitted step (donate it). The engine issue
 replaces it with a paged cache behind the same operations the model uses:
 ``write(layer, k, v, positions)``, ``layer(i)``, ``mask(positions)`` and, for one-token steps
-with the Pallas attention, ``write_one_normed`` and ``attend_one(layer, q, positions, scale)``.
+with the Pallas attention, ``write_one_normed``, ``attend_one(layer, q, positions, scale)`` and,
+for prefill, ``attend_many``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from ..ops.attention import causal_mask
 from ..ops.qmatmul import interpret_kernels
 from ..pallas.attention import cache_decode_attention
 from ..pallas.attn_prep import cache_qk_prep
+from ..pallas.flash_attention import cache_prefill_attention
 
 
 @jax.tree_util.register_dataclass
@@ -85,6 +87,13 @@ class KVCache:
         cache buffer (padding rows get zeros)."""
         return cache_decode_attention(self.k, self.v, layer, 0, q, positions, self.lengths, scale,
                                       interpret=interpret_kernels())
+
+    def attend_many(self, layer: int, q: jax.Array, positions: jax.Array, scale: float) -> jax.Array:
+        """float32 ``[B, T, Hq, Dh]``: T queries a sequence (``q [B, T, Hq, Dh]`` at ``positions
+        [B, T]``), each over its filled positions up to its own, by the Pallas prefill kernel
+        straight from the cache buffer (queries that see nothing get zeros)."""
+        return cache_prefill_attention(self.k, self.v, layer, 0, q, positions, self.lengths, scale,
+                                       interpret=interpret_kernels())
 
     def mask(self, positions: jax.Array) -> jax.Array:
         """bool ``[B, T, S]``: causal mask of queries at ``positions`` over the filled slots."""

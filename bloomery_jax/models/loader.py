@@ -90,10 +90,10 @@ def load_model(path: str | os.PathLike, *, device=None, place="card", reserve_by
         "auto" (pallas on a GPU, else reference). Weights no kernel can serve are listed on
         stderr and run the reference path.
       attention: "xla" (``ops.attention``, jnp) or "pallas": one-token (decode) steps attend
-        with ``pallas.decode_attention`` straight from the cache buffer, reading only each
-        sequence's filled positions (the jnp path copies each layer's cache out of the buffer
-        on the GPU and attends over all of it under a mask). ConfigError for an architecture
-        without it.
+        with ``pallas.decode_attention`` and prefill steps with ``pallas.prefill_attention``
+        (flash attention), straight from the cache buffer, reading only each query's visible
+        positions (the jnp path copies each layer's cache out of the buffer on the GPU and
+        attends over all of it under a mask). ConfigError for an architecture without it.
       bridge: how steps reach the host experts: "callback" (``host.bridge.HostBridge``,
         jax.pure_callback), "ffi" (``host.ffi.FfiHostBridge``, an XLA FFI custom call; the
         same results bit for bit; ConfigError where its library cannot be built) or "auto"

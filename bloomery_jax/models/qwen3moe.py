@@ -59,8 +59,9 @@ class Config:
     # Not from the file: the tensor-core precision of the prefill MoE kernel (pallas.moe_gemm);
     # the loader sets "tf32" for kernels=pallas-tf32.
     moe_precision: str = "tf32x3"
-    # Not from the file: "pallas" makes one-token steps attend with pallas.decode_attention read
-    # straight from the cache buffer (models.loader's attention=); "xla" is ops.attention's jnp.
+    # Not from the file: "pallas" makes one-token steps attend with pallas.decode_attention and
+    # prefill steps with pallas.prefill_attention, read straight from the cache buffer
+    # (models.loader's attention=); "xla" is ops.attention's jnp.
     attention: str = "xla"
     # Not from the file: "pallas" routes with pallas.route_topk (softmax and top-k in one kernel;
     # models.loader's routing=); "xla" is ops.routing's jnp.
@@ -254,6 +255,8 @@ def _attention_block(params, cfg: Config, i: int, x, cos, sin, positions, cache:
         q1 = q[:, 0]
     if one_token:
         o = cache.attend_one(i, q1, positions[:, 0], cfg.attn_scale)  # [B, Hq, Dh]
+    elif cfg.attention == "pallas":  # prefill: flash attention straight from the cache buffer
+        o = cache.attend_many(i, q, positions, cfg.attn_scale)  # [B, T, Hq, Dh]
     else:
         k_all, v_all = cache.layer(i)  # [B, S, Hkv, Dh]
         o = gqa_attention(q, k_all, v_all, mask, cfg.attn_scale)  # [B, T, Hq, Dh]
