@@ -228,3 +228,17 @@ def test_advance_counts_and_steps_only_active_rows():
 def test_impossible_values_raise(bad):
     with pytest.raises(ConfigError, match=next(iter(bad)).split("_")[0]):
         S.SamplingParams(**bad).validate(V)
+
+
+@pytest.mark.parametrize("rows,vocab,k,tile", [(2, 1000, 20, 64), (1, 151936, 20, 512), (3, 300, 7, 16), (1, 50, 20, 512)])
+def test_top_k_tree_is_lax_top_k(rows, vocab, k, tile):
+    """Same values, indices and order as lax.top_k, ties included (values drawn from a few
+    integers, so most of the top k tie; the lower index must come first)."""
+    rng = np.random.default_rng(vocab)
+    x = jnp.asarray(rng.integers(-3, 4, (rows, vocab)), jnp.float32)
+    x = x.at[0, vocab - 1].set(9.0)  # the largest value in the last, padded tile
+    got_v, got_i = S.top_k_tree(x, k, tile)
+    want_v, want_i = jax.lax.top_k(x, k)
+    np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))
+    np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
+    assert got_i.dtype == jnp.int32 and int(got_i[0, 0]) == vocab - 1

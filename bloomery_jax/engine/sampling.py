@@ -209,6 +209,39 @@ def sample_tokens(logits: jax.Array, rows: SamplerRows, branch_free: bool | None
     return jax.lax.cond(jnp.all(rows.temperature <= 0), lambda _: greedy, draw, None)
 
 
+TOP_K_TILE = 512  # row length of each stage of :func:`top_k_tree` (one shared-memory sort on a GPU)
+
+
+def top_k_tree(x: jax.Array, k: int, tile: int = TOP_K_TILE) -> tuple[jax.Array, jax.Array]:
+    """``jax.lax.top_k(x, k)`` over the last axis, in stages of rows of ``tile`` values.
+
+    Each stage cuts the candidates into rows of ``tile`` (padding with -inf at the end), keeps
+    the k largest of each row and passes them on, until one row is left. Same values, same
+    indices, same order as ``lax.top_k`` (equal values: the lower index first): a stage's rows
+    are in index order and each row's survivors in ``lax.top_k``'s order, so among equal values
+    the earlier position is always the lower index. Why: for k > 16 XLA's top-k is a sort, and
+    on a GPU a sort of one 151,936-long row goes to cub, a custom call outside the step's CUDA
+    graphs (the trace of 2026-12-04: ~45 us of device time and a host launch a token); rows of
+    512 stay in XLA's own sort kernel. x [B, V] -> (values [B, k], int32 indices [B, k]).
+    """
+    B, n = x.shape
+    if n <= tile or k >= tile:
+        values, idx = jax.lax.top_k(x, k)
+        return values, idx.astype(jnp.int32)
+    ids = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (B, n))  # [B, n] original index of each candidate
+    while n > tile:
+        rows = -(-n // tile)
+        pad = rows * tile - n
+        x = jnp.pad(x, ((0, 0), (0, pad)), constant_values=-jnp.inf).reshape(B, rows, tile)
+        ids = jnp.pad(ids, ((0, 0), (0, pad)), constant_values=jnp.iinfo(jnp.int32).max).reshape(B, rows, tile)
+        x, where = jax.lax.top_k(x, min(k, tile))  # [B, rows, k]
+        ids = jnp.take_along_axis(ids, where, axis=2)
+        n = rows * x.shape[2]
+        x, ids = x.reshape(B, n), ids.reshape(B, n)  # [B, rows, k] -> [B, rows * k], rows in index order
+    values, where = jax.lax.top_k(x, k)
+    return values, jnp.take_along_axis(ids, where, axis=1)
+
+
 def sample(logits: jax.Array, rows: SamplerRows, n_top: int = MAX_N_PROBS) -> SampleOut:
     """Sample one token per row and report log-probabilities.
 
@@ -223,7 +256,7 @@ def sample(logits: jax.Array, rows: SamplerRows, n_top: int = MAX_N_PROBS) -> Sa
     lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=1)  # [B, V]
     chosen = jnp.take_along_axis(lp, token[:, None], axis=1)[:, 0]
     if n_top > 0:
-        top_lp, top_ids = jax.lax.top_k(lp, n_top)
+        top_lp, top_ids = top_k_tree(lp, n_top)
     else:
         top_lp = jnp.zeros((lp.shape[0], 0), jnp.float32)
         top_ids = jnp.zeros((lp.shape[0], 0), jnp.int32)
