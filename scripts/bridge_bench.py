@@ -4,8 +4,9 @@ A jitted function chains L layer calls, as the MoE layers of a decode step do: e
 previous output, calls the bridge on an [N, D] activation whose experts are all on the card
 (an empty host set: the host kernel only zeroes its output), and scales it. The overhead per
 call is (time with the bridge calls - time of the same chain without them) / L, median over
-repetitions, for each bridge: ``callback`` (jax.pure_callback, host.bridge.HostBridge) and
-``ffi`` (the XLA FFI custom call, host.ffi.FfiHostBridge). Run it on the machine whose numbers
+repetitions, for each bridge: ``callback`` (jax.pure_callback, host.bridge.HostBridge),
+``ffi`` (the XLA FFI custom call, host.ffi.FfiHostBridge, its stream handing each call to the
+host by cuLaunchHostFunc) and ``ffi-doorbell`` (the same with the doorbell signal). Run it on the machine whose numbers
 you want (the GPU machine for issue 8's 50 us target):
 
     python scripts/bridge_bench.py --layers 48 --tokens 1 --d-model 2048 --reps 20 [--json OUT]
@@ -20,6 +21,7 @@ whether the kernel runs as fast inside each bridge as outside it.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -85,7 +87,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=1)
     p.add_argument("--d-model", type=int, default=2048)
     p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--bridges", default="callback,ffi", help="comma-separated: callback, ffi")
+    p.add_argument("--bridges", default="callback,ffi", help="comma-separated: callback, ffi, ffi-doorbell")
     p.add_argument("--work", type=int, default=0, metavar="E",
                    help="real host work: a Q4_K_M layer of E experts, all on the host (0 = the empty call)")
     p.add_argument("--threads", type=int, default=None, help="Numba threads (default: 1, or Numba's with --work)")
@@ -94,7 +96,8 @@ def main(argv=None) -> int:
     from bloomery_jax.host.bridge import HostBridge
     from bloomery_jax.host.ffi import FfiHostBridge
 
-    kinds = {"callback": HostBridge, "ffi": FfiHostBridge}
+    kinds = {"callback": HostBridge, "ffi": functools.partial(FfiHostBridge, signal="hostfunc"),
+             "ffi-doorbell": functools.partial(FfiHostBridge, signal="doorbell")}
     lay = work_layer(args.work) if args.work else layer(args.d_model)
     n_experts, d_model = lay.n_experts, lay.dims[0]
     threads = args.threads or (None if args.work else 1)

@@ -228,7 +228,7 @@ def stage_host(args) -> None:
     host = ["--tokens", "1,8", "--reps", "3", "--d", "256", "--f", "256", "--experts", "16"] if args.tiny else []
     args.out.mkdir(parents=True, exist_ok=True)
     for script, extra, flag in (("host_bench.py", host, "--out"),
-                                ("bridge_bench.py", ["--layers", "48", "--reps", "20"], "--json")):
+                                ("bridge_bench.py", ["--layers", "48", "--reps", "20", "--bridges", "callback,ffi,ffi-doorbell"], "--json")):
         cmd = [sys.executable, str(ROOT / "scripts" / script), *extra, flag, str(args.out / f"{script[:-3]}.json")]
         log(" ".join(cmd))
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)

@@ -98,6 +98,17 @@ def test_record_layout_matches_the_library():
     assert "kStageIn = %d," % ffi_layout.STAGE_IN in ffi_layout.c_header()
 
 
+def test_signal_comes_from_the_argument_then_the_environment(monkeypatch):
+    from bloomery_jax.host.ffi import resolve_signal
+
+    monkeypatch.delenv("BLOOMERY_FFI_SIGNAL", raising=False)
+    assert resolve_signal(None) == "hostfunc" and resolve_signal("doorbell") == "doorbell"
+    monkeypatch.setenv("BLOOMERY_FFI_SIGNAL", "doorbell")
+    assert resolve_signal(None) == "doorbell" and resolve_signal("hostfunc") == "hostfunc"
+    with pytest.raises(ConfigError, match="signal 'bell' is not one of hostfunc, doorbell"):
+        resolve_signal("bell")
+
+
 def test_no_compiler_is_a_config_error(monkeypatch):
     monkeypatch.setattr("shutil.which", lambda name: None)
     with pytest.raises(ConfigError, match="needs a C\\+\\+ compiler"):
@@ -175,10 +186,12 @@ def test_bad_bridge_name_is_a_config_error(synth_model):
         load_model(path, place="cpu-moe", bridge="pipe")
 
 
-# A stand-in for the CUDA driver: every queued call runs at once, "pinned" memory is malloc'd.
+# A stand-in for the CUDA driver: every queued call runs at once, "pinned" memory is malloc'd and
+# its device address is its own; a wait on a value spins until another thread writes it (10 s at most).
 FAKE_LIBCUDA = r"""
 #include <stdlib.h>
 #include <string.h>
+#include <chrono>
 extern "C" {
 typedef void (*host_fn)(void*);
 int cuInit(unsigned f) { return 0; }
@@ -191,6 +204,16 @@ int cuMemcpyAsync(unsigned long long dst, unsigned long long src, size_t n, void
   memcpy((void*)dst, (const void*)src, n); return 0; }
 int cuMemcpyHtoD_v2(unsigned long long dst, const void* src, size_t n) { memcpy((void*)dst, src, n); return 0; }
 int cuLaunchHostFunc(void* stream, host_fn fn, void* arg) { fn(arg); return 0; }
+int cuMemHostGetDevicePointer_v2(unsigned long long* d, void* p, unsigned flags) {
+  *d = (unsigned long long)p; return 0; }
+int cuStreamWriteValue32_v2(void* stream, unsigned long long addr, unsigned value, unsigned flags) {
+  __atomic_store_n((unsigned*)addr, value, __ATOMIC_SEQ_CST); return 0; }
+int cuStreamWaitValue32_v2(void* stream, unsigned long long addr, unsigned value, unsigned flags) {
+  if (flags != 1) return 1;  // only CU_STREAM_WAIT_VALUE_EQ is used
+  auto end = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (__atomic_load_n((unsigned*)addr, __ATOMIC_SEQ_CST) != value)
+    if (std::chrono::steady_clock::now() > end) return 2;
+  return 0; }
 }
 """
 
@@ -243,15 +266,28 @@ np.testing.assert_array_equal(blocks, np.asarray(HostBridge.experts_on_card(brid
 assert blocks.size == ids.size * sum(getattr(layer, r).data[0].nbytes for r in ("gate", "up", "down"))
 st = bridge.stats
 assert st.calls == 3 and st.pairs == int(on_host[experts].sum()) * 2 + int(on_host[experts[:1]].sum()), st
+# the doorbell: the stand-in stream rings, our worker thread runs the call and answers, the
+# stream's wait returns; each call's id rung and answered anew (the same size twice in a row too)
+rec[F.SIGNAL] = F.SIGNALS.index("doorbell")
+assert enqueue(x, experts, weights, on_host, out) == 1 and b"no doorbell for device 0" in err.value, err.value
+bridge.start_doorbell(0)
+bridge.start_doorbell(0)  # a second start is a no-op
+for n in (3, 3, 1, 3, 2):
+    xs, es, ws = x[:n].copy(), experts[:n].copy(), weights[:n].copy()
+    out = np.full_like(xs, np.nan)
+    assert enqueue(xs, es, ws, on_host, out) == 0, err.value
+    np.testing.assert_array_equal(out, host_moe_swiglu(xs, es, ws, on_host, layer))
+assert bridge.stats.calls == 8, bridge.stats
 print("ok")
 """
 
 
 def test_cuda_path_queues_copies_host_call_and_copy_back(tmp_path):
-    """The CUDA handler's queue of work (staging copies in, cuLaunchHostFunc, copy out) against a
+    """The CUDA handler's queue of work (staging copies in, the host call, copy out) against a
     stand-in driver that runs each call at once: the staging is sized and used right, and the
-    result is the kernel's bit for bit; and the copy of chosen experts' rows to the card that
-    seating uses. (Graph capture and the real driver run on the GPU machine.)"""
+    result is the kernel's bit for bit, under both signals (cuLaunchHostFunc, the doorbell and
+    its worker thread); and the copy of chosen experts' rows to the card that seating uses.
+    (Graph capture and the real driver run on the GPU machine.)"""
     import os
     import subprocess
     import sys

@@ -4,8 +4,11 @@ Contract. ``FfiHostBridge(layers, threads)`` is a :class:`~.bridge.HostBridge` w
 one ``jax.ffi.ffi_call`` of ``ffi_bridge.cc`` per layer, with the same result bit for bit (the
 same kernel, ``entry.layer_entry``, at the same thread count). On the CPU the handler runs the
 kernel on XLA's buffers; on a CUDA device it enqueues the copies to and from pinned staging
-buffers and the kernel (``cuLaunchHostFunc``) on the step's stream, with no synchronisation,
-so XLA may keep the whole step one CUDA graph. ``stream`` (prefill streaming) is a second
+buffers and the kernel on the step's stream, with no synchronisation, so XLA may keep the whole
+step one CUDA graph. How the stream hands the kernel to the host is the bridge's ``signal``
+(``ffi_layout.SIGNALS``): ``hostfunc`` (``cuLaunchHostFunc``, the default) or ``doorbell`` (the
+stream writes a pinned word that a spinning worker thread answers; ``ffi_bridge.cc``'s header);
+``BLOOMERY_FFI_SIGNAL`` sets the default. ``stream`` (prefill streaming) is a second
 custom call that copies a layer's whole expert tensor to the step's device.
 
 The library is compiled on first use with the system's C++ compiler (``$CXX``, else ``g++``,
@@ -72,6 +75,7 @@ def library() -> ctypes.CDLL:
     lib.bloomery_ffi_set_record.argtypes = [ctypes.c_int64, ctypes.c_void_p]
     lib.bloomery_ffi_pinned_alloc.restype = ctypes.c_void_p
     lib.bloomery_ffi_pinned_alloc.argtypes = [ctypes.c_int, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_size_t]
+    lib.bloomery_ffi_doorbell_start.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
     lib.bloomery_ffi_rows_to_device.argtypes = [ctypes.c_int, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_void_p,
                                                 ctypes.c_int64, ctypes.c_int64, ctypes.c_char_p, ctypes.c_size_t]
     on_cuda = _on_cuda()
@@ -123,6 +127,14 @@ def _on_cuda() -> bool:
     return any(d.platform == "gpu" for d in jax.devices())
 
 
+def resolve_signal(signal: str | None) -> str:
+    """The bridge's signal: ``signal``, else ``$BLOOMERY_FFI_SIGNAL``, else ``hostfunc``."""
+    name = signal or os.environ.get("BLOOMERY_FFI_SIGNAL") or F.SIGNALS[0]
+    if name not in F.SIGNALS:
+        raise ConfigError(f"ffi host bridge signal {name!r} is not one of {', '.join(F.SIGNALS)}")
+    return name
+
+
 class _Slots:
     """The library's record table: lowest free slot first, so the first bridge of every process
     gets the same slots and a step from the persistent compilation cache names the right ones."""
@@ -163,6 +175,7 @@ class FfiHostBridge(HostBridge):
     Args:
       layers: MoE layer index → its three expert tensors on the host.
       threads: Numba threads for the host kernels (None = Numba's default).
+      signal: how a CUDA stream hands the kernel to the host (:func:`resolve_signal`).
     """
 
     # No branch around ``moe``: XLA's CUDA graphs leave conditionals out by default, and outside a
@@ -171,15 +184,20 @@ class FfiHostBridge(HostBridge):
     # activations and back and runs a kernel that returns at once.
     skip_empty_calls = False
 
-    def __init__(self, layers: dict[int, HostExpertLayer], threads: int | None = None):
+    def __init__(self, layers: dict[int, HostExpertLayer], threads: int | None = None, signal: str | None = None):
         from .entry import layer_entry
 
+        self.signal = resolve_signal(signal)
         self._lib = library()
         self._pinned_buffers: list[int] = []  # never freed: recorded CUDA graphs may copy to or from them
         if _on_cuda():
             layers = {i: self._pinned_layer(layer) for i, layer in layers.items()}
         super().__init__(layers, threads)
-        entry = dict(FN=layer_entry.address, SET_THREADS=_numba_set_threads(), THREADS=self.threads)
+        entry = dict(FN=layer_entry.address, SET_THREADS=_numba_set_threads(), THREADS=self.threads,
+                     SIGNAL=F.SIGNALS.index(self.signal))
+        if self.signal == "doorbell" and _on_cuda():
+            for device in jax.devices("gpu"):
+                self.start_doorbell(device.id)
         self._records = {i: self._record(layer, entry) for i, layer in self.layers.items()}
         self._slots = dict(zip(self._records, _SLOTS.take(len(self._records))))
         for i, s in self._slots.items():
@@ -188,7 +206,13 @@ class FfiHostBridge(HostBridge):
         self._stage_lock = threading.Lock()
 
     def __repr__(self) -> str:
-        return f"FfiHostBridge({len(self.layers)} layers)"
+        return f"FfiHostBridge({len(self.layers)} layers, {self.signal})"
+
+    def start_doorbell(self, ordinal: int) -> None:
+        """Start device ``ordinal``'s doorbell and the worker that answers it (once a process)."""
+        err = ctypes.create_string_buffer(256)
+        if self._lib.bloomery_ffi_doorbell_start(ordinal, err, len(err)):
+            raise ConfigError(f"ffi host bridge, doorbell signal: {err.value.decode()}")
 
     @staticmethod
     def _record(layer: HostExpertLayer, entry: dict) -> np.ndarray:

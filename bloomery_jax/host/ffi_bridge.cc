@@ -11,21 +11,28 @@
 // that the CUDA path copies them to the host in one transfer, not four.
 //
 // CUDA: the handler enqueues, on the step's stream, the copy of the packed inputs into the
-// record's pinned staging buffer, the host function (cuLaunchHostFunc), and the copy of its
-// output back. It never synchronises, so XLA may record it into the step's CUDA graph (the handler is
-// declared command-buffer compatible). The CUDA driver is opened with dlopen, so building
-// this file needs no CUDA toolkit.
+// record's pinned staging buffer, the host function, and the copy of its output back. It never
+// synchronises, so XLA may record it into the step's CUDA graph (the handler is declared
+// command-buffer compatible). The CUDA driver is opened with dlopen, so building this file needs
+// no CUDA toolkit. The host function runs one of two ways (the record's kSignal):
+// - hostfunc: cuLaunchHostFunc; the driver's callback thread runs it when the stream gets there.
+// - doorbell: the stream writes the call's id into a pinned word (cuStreamWriteValue32), a worker
+//   thread of ours that polls that word runs the call and writes the id into a second word, for
+//   which the stream waits (cuStreamWaitValue32) before it clears it and copies the output back.
+//   No driver thread has to be woken on either side; the worker spins while calls keep coming.
 
 #include <dlfcn.h>
 
 #include <atomic>
 #include <chrono>
+#include <cstddef>
 #include <cstdio>
 #include <cstring>
 #include <cstdint>
 #include <map>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -143,6 +150,9 @@ struct Driver {
   CUresult (*memcpy_async)(uint64_t, uint64_t, size_t, CUstream) = nullptr;
   CUresult (*memcpy_htod)(uint64_t, const void*, size_t) = nullptr;
   CUresult (*launch_host_func)(CUstream, void (*)(void*), void*) = nullptr;
+  CUresult (*host_device_pointer)(uint64_t*, void*, unsigned) = nullptr;
+  CUresult (*write_value32)(CUstream, uint64_t, uint32_t, unsigned) = nullptr;
+  CUresult (*wait_value32)(CUstream, uint64_t, uint32_t, unsigned) = nullptr;
   std::string error;
 };
 
@@ -154,9 +164,9 @@ const Driver& Cuda() {
       d.error = std::string("cannot open libcuda.so.1: ") + dlerror();
       return d;
     }
-    auto sym = [&](auto& fn, const char* name) {
+    auto sym = [&](auto& fn, const char* name, bool required = true) {
       fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(lib, name));
-      if (fn == nullptr && d.error.empty()) d.error = std::string("libcuda.so.1 has no ") + name;
+      if (fn == nullptr && required && d.error.empty()) d.error = std::string("libcuda.so.1 has no ") + name;
     };
     sym(d.init, "cuInit");
     sym(d.device_get, "cuDeviceGet");
@@ -167,6 +177,10 @@ const Driver& Cuda() {
     sym(d.memcpy_async, "cuMemcpyAsync");
     sym(d.memcpy_htod, "cuMemcpyHtoD_v2");
     sym(d.launch_host_func, "cuLaunchHostFunc");
+    // the doorbell's (CUDA 11.7+); the hostfunc signal works without them
+    sym(d.host_device_pointer, "cuMemHostGetDevicePointer_v2", false);
+    sym(d.write_value32, "cuStreamWriteValue32_v2", false);
+    sym(d.wait_value32, "cuStreamWaitValue32_v2", false);
     return d;
   }();
   return driver;
@@ -175,6 +189,7 @@ const Driver& Cuda() {
 // What one enqueued host function needs. The pointer is the host node's argument, so it has to
 // outlive every CUDA graph that recorded it: made once per (record, staging, n) and kept.
 struct HostCall {
+  uint32_t id;  // 1 + its index in g_calls: what the doorbell carries
   int64_t* rec;
   const void* x;
   const int32_t* experts;
@@ -183,6 +198,9 @@ struct HostCall {
   void* out;
   int64_t n;
 };
+
+constexpr uint32_t kMaxCalls = 1 << 16;
+std::atomic<HostCall*> g_calls[kMaxCalls];  // by id - 1, for the doorbell worker
 
 HostCall* Intern(int64_t* rec, int64_t n) {
   static std::mutex mu;
@@ -193,7 +211,9 @@ HostCall* Intern(int64_t* rec, int64_t n) {
   if (it != calls.end()) return it->second;
   const auto* in = reinterpret_cast<const uint8_t*>(rec[kStageIn]);
   Packed off = Offsets(rec, n);
-  auto* c = new HostCall{rec,
+  if (calls.size() + 1 >= kMaxCalls) return nullptr;
+  auto* c = new HostCall{static_cast<uint32_t>(calls.size() + 1),
+                         rec,
                          in + off.x,
                          reinterpret_cast<const int32_t*>(in + off.experts),
                          in + off.weights,
@@ -201,6 +221,7 @@ HostCall* Intern(int64_t* rec, int64_t n) {
                          reinterpret_cast<void*>(rec[kStageOut]),
                          n};
   calls.emplace(key, c);
+  g_calls[c->id - 1].store(c, std::memory_order_release);
   return c;
 }
 
@@ -209,20 +230,136 @@ void HostCallback(void* arg) {
   RunHost(c->rec, c->x, c->experts, c->weights, c->on_host, c->out, c->n);
 }
 
+// Runs `work` (returning a CUresult) with device `ordinal`'s primary context current; "" on
+// success, else what failed (`what` names the work).
+template <typename Work>
+std::string InContext(const Driver& cu, int ordinal, const std::string& what, Work work) {
+  if (!cu.error.empty()) return cu.error;
+  int device = 0;
+  void* ctx = nullptr;
+  if (cu.init(0) != 0 || cu.device_get(&device, ordinal) != 0 || cu.primary_ctx_retain(&ctx, device) != 0)
+    return "no CUDA context for device " + std::to_string(ordinal);
+  if (cu.ctx_push(ctx) != 0) return "cannot make the CUDA context current";
+  CUresult r = work();
+  void* popped = nullptr;
+  cu.ctx_pop(&popped);
+  return r == 0 ? "" : what + " failed (" + std::to_string(r) + ")";
+}
+
+// --- The doorbell ------------------------------------------------------------------------------
+// One pair of words a device, each on its own cache line of pinned memory: `ring` is written by
+// the device's stream and cleared by the worker, `done` the other way round. A device's calls
+// follow each other on its stream, so one pair a device is enough; a stream writes `ring` only
+// after it has seen the previous call's `done` and cleared it, so no id is lost or read twice.
+constexpr int kMaxDevices = 16;
+struct alignas(64) Bell {
+  uint32_t ring;
+  uint8_t pad_ring[60];
+  uint32_t done;
+  uint8_t pad_done[60];
+};
+constexpr uint32_t kWaitEq = 0x1;     // CU_STREAM_WAIT_VALUE_EQ
+constexpr uint32_t kWriteDefault = 0;  // CU_STREAM_WRITE_VALUE_DEFAULT: after all earlier work of the stream
+// How long the worker spins after its last call before it polls at kPollSleep (a decode step
+// calls every few hundred microseconds; between requests the worker should not hold a core).
+constexpr auto kSpinIdle = std::chrono::milliseconds(200);
+constexpr auto kPollSleep = std::chrono::microseconds(20);
+
+Bell* g_bells = nullptr;                // [kMaxDevices], pinned
+uint64_t g_bell_device[kMaxDevices];    // each bell's device address, 0 until started
+std::atomic<int> g_bell_devices{0};     // the worker polls bells [0, this)
+std::mutex g_bell_mu;
+
+inline void Pause() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+[[noreturn]] void BellWorker() {
+  auto last = std::chrono::steady_clock::now();
+  for (;;) {
+    bool ran = false;
+    int devices = g_bell_devices.load(std::memory_order_acquire);
+    for (int d = 0; d < devices; ++d) {
+      uint32_t id = __atomic_load_n(&g_bells[d].ring, __ATOMIC_ACQUIRE);
+      if (id == 0) continue;
+      __atomic_store_n(&g_bells[d].ring, 0, __ATOMIC_RELAXED);
+      HostCall* c = id <= kMaxCalls ? g_calls[id - 1].load(std::memory_order_acquire) : nullptr;
+      if (c != nullptr) HostCallback(c);  // an unknown id (cannot happen) still rings done: never hang the stream
+      __atomic_store_n(&g_bells[d].done, id, __ATOMIC_RELEASE);
+      ran = true;
+    }
+    auto now = std::chrono::steady_clock::now();
+    if (ran)
+      last = now;
+    else if (now - last > kSpinIdle)
+      std::this_thread::sleep_for(kPollSleep);
+    else
+      Pause();
+  }
+}
+
+// The doorbell of device `ordinal` (allocating the bells and starting the worker on first use);
+// "" on success, else what failed.
+std::string StartBell(const Driver& cu, int ordinal) {
+  if (ordinal < 0 || ordinal >= kMaxDevices) return "device ordinal " + std::to_string(ordinal) + " out of range";
+  std::lock_guard<std::mutex> lock(g_bell_mu);
+  if (g_bell_device[ordinal] != 0) return "";
+  if (!cu.error.empty()) return cu.error;
+  if (!cu.host_device_pointer || !cu.write_value32 || !cu.wait_value32)
+    return "this CUDA driver has no stream memory operations (cuStreamWaitValue32_v2 and "
+           "cuStreamWriteValue32_v2, CUDA 11.7+); use the hostfunc signal";
+  std::string failed;
+  if (g_bells == nullptr) {
+    void* p = nullptr;
+    failed = InContext(cu, ordinal, "cuMemHostAlloc of the doorbells", [&] {
+      return cu.host_alloc(&p, sizeof(Bell) * kMaxDevices, 0x3 /* PORTABLE | DEVICEMAP */);
+    });
+    if (!failed.empty()) return failed;
+    std::memset(p, 0, sizeof(Bell) * kMaxDevices);
+    g_bells = static_cast<Bell*>(p);
+    std::thread(BellWorker).detach();
+  }
+  uint64_t device_address = 0;
+  failed = InContext(cu, ordinal, "cuMemHostGetDevicePointer", [&] {
+    return cu.host_device_pointer(&device_address, &g_bells[ordinal], 0);
+  });
+  if (!failed.empty()) return failed;
+  g_bell_device[ordinal] = device_address;
+  if (g_bell_devices.load() <= ordinal) g_bell_devices.store(ordinal + 1, std::memory_order_release);
+  return "";
+}
+
 // The CUDA path's work for one call: the copy in, the host function, the copy out, all queued
-// on `stream`. The buffers are device pointers: the packed inputs and the output of n tokens.
-ffi::Error Enqueue(CUstream stream, int64_t* rec, const void* packed, void* out, int64_t n) {
+// on `stream` of device `ordinal`. The buffers are device pointers: the packed inputs and the
+// output of n tokens.
+ffi::Error Enqueue(CUstream stream, int ordinal, int64_t* rec, const void* packed, void* out, int64_t n) {
   const Driver& cu = Cuda();
   if (!cu.error.empty()) return ffi::Error::Internal("bloomery host bridge: " + cu.error);
   if (n > rec[kStageTokens])
     return ffi::Error::Internal("bloomery host bridge: " + std::to_string(n) + " tokens but staging for " +
                                 std::to_string(rec[kStageTokens]));
+  bool doorbell = rec[kSignal] == 1;
+  uint64_t bell = (ordinal >= 0 && ordinal < kMaxDevices) ? g_bell_device[ordinal] : 0;
+  if (doorbell && bell == 0)
+    return ffi::Error::Internal("bloomery host bridge: no doorbell for device " + std::to_string(ordinal) +
+                                " (bloomery_ffi_doorbell_start was not called for it)");
   HostCall* c = Intern(rec, n);
+  if (c == nullptr) return ffi::Error::Internal("bloomery host bridge: too many distinct host calls");
   size_t act = 4 * n * rec[kD];
   auto dev = [](const void* p) { return reinterpret_cast<uint64_t>(p); };
   CUresult r = 0;
   r |= cu.memcpy_async(dev(c->x), dev(packed), Offsets(rec, n).total, stream);  // c->x: the staging's start
-  r |= cu.launch_host_func(stream, HostCallback, c);
+  if (doorbell) {
+    r |= cu.write_value32(stream, bell + offsetof(Bell, ring), c->id, kWriteDefault);
+    r |= cu.wait_value32(stream, bell + offsetof(Bell, done), c->id, kWaitEq);
+    r |= cu.write_value32(stream, bell + offsetof(Bell, done), 0, kWriteDefault);
+  } else {
+    r |= cu.launch_host_func(stream, HostCallback, c);
+  }
   r |= cu.memcpy_async(dev(out), dev(c->out), act, stream);
   if (r != 0) return ffi::Error::Internal("bloomery host bridge: a CUDA driver call failed");
   return ffi::Error::Success();
@@ -264,26 +401,11 @@ ffi::Error StreamCuda(CUstream stream, int64_t slot, int64_t role, ffi::Result<f
   return ffi::Error::Success();
 }
 
-ffi::Error HostMoeCuda(CUstream stream, int64_t slot, ffi::AnyBuffer packed, ffi::Result<ffi::AnyBuffer> out) {
+ffi::Error HostMoeCuda(CUstream stream, int32_t ordinal, int64_t slot, ffi::AnyBuffer packed,
+                       ffi::Result<ffi::AnyBuffer> out) {
   auto checked = Checked(slot, packed, out);
   if (checked.has_error()) return checked.error();
-  return Enqueue(stream, checked->first, packed.untyped_data(), out->untyped_data(), checked->second);
-}
-
-// Runs `work` (returning a CUresult) with device `ordinal`'s primary context current; "" on
-// success, else what failed (`what` names the work).
-template <typename Work>
-std::string InContext(const Driver& cu, int ordinal, const std::string& what, Work work) {
-  if (!cu.error.empty()) return cu.error;
-  int device = 0;
-  void* ctx = nullptr;
-  if (cu.init(0) != 0 || cu.device_get(&device, ordinal) != 0 || cu.primary_ctx_retain(&ctx, device) != 0)
-    return "no CUDA context for device " + std::to_string(ordinal);
-  if (cu.ctx_push(ctx) != 0) return "cannot make the CUDA context current";
-  CUresult r = work();
-  void* popped = nullptr;
-  cu.ctx_pop(&popped);
-  return r == 0 ? "" : what + " failed (" + std::to_string(r) + ")";
+  return Enqueue(stream, ordinal, checked->first, packed.untyped_data(), out->untyped_data(), checked->second);
 }
 
 }  // namespace
@@ -294,6 +416,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BloomeryHostMoeCpu, HostMoeCpu,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BloomeryHostMoeCuda, HostMoeCuda,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<CUstream>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
                                   .Attr<int64_t>("slot")
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>(),
@@ -322,7 +445,7 @@ int bloomery_ffi_set_record(int64_t slot, int64_t* record) {
 }
 
 // For tests on machines without a GPU: the CUDA path's queue of work (Enqueue) for slot's record
-// on a null stream, with whatever libcuda.so.1 the process has loaded (tests load a stand-in that
+// on a null stream of device 0, with whatever libcuda.so.1 the process has loaded (tests load a stand-in that
 // runs every call at once), the four inputs packed here as the step packs them. 0 on success,
 // else 1 with the message in `error`.
 int bloomery_ffi_test_enqueue(int64_t slot, const void* x, const void* experts, const void* weights,
@@ -336,7 +459,7 @@ int bloomery_ffi_test_enqueue(int64_t slot, const void* x, const void* experts, 
     std::memcpy(packed.data() + off.experts, experts, off.weights - off.experts);
     std::memcpy(packed.data() + off.weights, weights, off.on_host - off.weights);
     std::memcpy(packed.data() + off.on_host, on_host, off.total - off.on_host);
-    e = Enqueue(nullptr, rec, packed.data(), out, n);
+    e = Enqueue(nullptr, 0, rec, packed.data(), out, n);
   }
   if (e.success()) return 0;
   snprintf(error, error_len, "%s", e.message().c_str());
@@ -358,6 +481,17 @@ int bloomery_ffi_rows_to_device(int ordinal, uint64_t dst, const uint8_t* src, c
                          static_cast<size_t>(row_bytes));
     return r;
   });
+  if (failed.empty()) return 0;
+  snprintf(error, error_len, "%s", failed.c_str());
+  return 1;
+}
+
+// Starts the doorbell of device `ordinal` (a pinned pair of words it writes and waits on, and the
+// worker thread that answers them; see the top of this file). 0 on success, else 1 with the
+// message in `error`.
+int bloomery_ffi_doorbell_start(int ordinal, char* error, size_t error_len) {
+  const Driver& cu = Cuda();
+  std::string failed = StartBell(cu, ordinal);
   if (failed.empty()) return 0;
   snprintf(error, error_len, "%s", failed.c_str());
   return 1;

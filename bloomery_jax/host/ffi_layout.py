@@ -11,10 +11,15 @@ FIELDS = (
     "TAB16", "TABBF",  # addresses of the f16 / bf16 conversion tables
     # CUDA only: pinned staging (tokens it holds; the packed inputs, out)
     "STAGE_TOKENS", "STAGE_IN", "STAGE_OUT",
+    "SIGNAL",  # CUDA only: how the stream hands a call to the host (SIGNALS' index)
     "CALLS", "PAIRS", "NANOS",  # counters, added to by the host function
     "STREAMED",  # expert bytes copied by the stream handler
 )
 WORDS = len(FIELDS)
+# The stream's ways of running the host function: "hostfunc" (cuLaunchHostFunc: the driver's
+# callback thread runs it) or "doorbell" (the stream writes the call's id to pinned memory, a
+# spinning worker of ours runs it and writes the id back, the stream waits for that value).
+SIGNALS = ("hostfunc", "doorbell")
 globals().update({name: i for i, name in enumerate(FIELDS)})
 
 
