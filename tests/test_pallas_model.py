@@ -160,8 +160,8 @@ def test_q8_kernels_match_reference_with_cuda_rounding(q4km, n_tokens, ubatch):
 
 @pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
 def test_decode_step_lowers_to_triton_for_h200(q4km, monkeypatch):
-    """The whole one-token step of the GPU configuration (pallas kernels, attention and routing),
-    lowered for an H200 without one: every kernel a verified Triton module, the q/k prep among them
+    """The whole one-token step of the GPU configuration (pallas kernels, attention and routing,
+    the placement table as the engine passes it), lowered for an H200 without one: every kernel a verified Triton module, the q/k prep among them
     (it reads the q/k/v launch's partial sums and writes the cache through aliases); then a
     prefill step likewise."""
     import importlib
@@ -177,15 +177,16 @@ def test_decode_step_lowers_to_triton_for_h200(q4km, monkeypatch):
         if hasattr(module, "interpret_kernels"):
             monkeypatch.setattr(module, "interpret_kernels", lambda: False)
     cache = qwen3moe.init_cache(model.cfg, 1, 64)
-    step = lambda params, tokens, positions, cache: qwen3moe.forward(params, model.cfg, tokens, positions, cache)  # noqa: E731
+    step = lambda params, tokens, positions, cache, placement: qwen3moe.forward(  # noqa: E731
+        params, model.cfg, tokens, positions, cache, placement)
     built = triton_kernels(monkeypatch, step, model.params, jnp.zeros((1, 1), jnp.int32), jnp.full((1, 1), 5, jnp.int32),
-                           cache)
+                           cache, model.placement)
     names = {name for name, _, _ in built}
     assert {"qgemv_many", "decode_qk_prep", "decode_attention", "route_topk", "moe_gemv_many"} <= names, names
     assert all(cc == 90 and ok for _, cc, ok in built)
     # a 16-token prefill step: flash attention from the cache, the grouped expert GEMM
     built = triton_kernels(monkeypatch, step, model.params, jnp.zeros((1, 16), jnp.int32),
-                           jnp.arange(16, dtype=jnp.int32)[None], cache)
+                           jnp.arange(16, dtype=jnp.int32)[None], cache, model.placement)
     names = {name for name, _, _ in built}
     assert "prefill_attention" in names and any(n.startswith("moe_gemm") for n in names), names
     assert all(cc == 90 and ok for _, cc, ok in built)

@@ -39,6 +39,32 @@ def test_equal_logits_rank_the_lower_id_first():
     assert (np.asarray(ref[2]) == 0).any()  # the test does exercise ties at the k-th place
 
 
+@pytest.mark.parametrize("N, E, k, layer", [(1, 128, 8, 2), (21, 60, 4, 0), (3, 8, 8, 1)])
+def test_card_route_is_the_placement_lookup(N, E, k, layer):
+    """With a slot table the kernel returns, beside the same routing as without it, each pick's
+    card slot (0 for a host expert) and its weight (0 for a host expert): the lookup
+    ops.experts.placed_moe_swiglu makes otherwise."""
+    rng = np.random.default_rng(N + E)
+    logits = jnp.asarray((rng.standard_normal((N, E)) * 2).astype(np.float32))
+    on_card = rng.random((3, E)) < 0.5
+    table = np.where(on_card, rng.permutation(3 * E).reshape(3, E) % 97, -1).astype(np.int32)
+    experts, weights, margin, card = (route_topk(logits, k, jnp.asarray(table), layer, interpret=True))
+    plain = route_topk(logits, k, interpret=True)
+    for a, b in zip((experts, weights, margin), plain):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    slots = table[layer][np.asarray(experts)]  # [N, k]
+    assert (slots < 0).any() and (slots >= 0).any()  # both kinds of pick occur
+    np.testing.assert_array_equal(np.asarray(card.slots), np.maximum(slots, 0))
+    np.testing.assert_array_equal(np.asarray(card.weights), np.where(slots >= 0, np.asarray(weights), 0.0))
+
+
+def test_bad_slot_table_raises():
+    with pytest.raises(ValueError, match="slot_table must be"):
+        route_topk(jnp.zeros((1, 8)), 2, jnp.zeros((2, 6), jnp.int32), 0, interpret=True)
+    with pytest.raises(ValueError, match="slot_table must be"):
+        route_topk(jnp.zeros((1, 8)), 2, jnp.zeros((2, 8), jnp.int32), 2, interpret=True)
+
+
 def test_bad_k_raises():
     with pytest.raises(ValueError, match="cannot route to 9 of 8"):
         route_topk(jnp.zeros((1, 8)), 9, interpret=True)
@@ -50,6 +76,8 @@ def test_lowers_to_triton_for_h200(monkeypatch, N):
     """A verified Triton module for sm_90 at the Qwen3-30B-A3B router shape (128 experts, top 8)."""
     logits = jax.ShapeDtypeStruct((N, 128), jnp.float32)
     assert triton_kernels(monkeypatch, lambda x: route_topk(x, 8), logits) == [("route_topk", 90, True)]
+    table = jax.ShapeDtypeStruct((48, 128), jnp.int32)  # with the placement lookup
+    assert triton_kernels(monkeypatch, lambda x, t: route_topk(x, 8, t, 47), logits, table) == [("route_topk", 90, True)]
 
 
 def test_model_routing_pallas_matches_xla(synth_model):
@@ -75,3 +103,26 @@ def test_model_routing_pallas_matches_xla(synth_model):
     np.testing.assert_array_equal(p[3], x[3])
     for a, b in ((p[0], x[0]), (p[1], x[1])):
         assert np.abs(a - b).max() <= 1e-5 * b.std()
+
+
+def test_placed_model_routing_pallas_matches_xla(synth_model):
+    """With a placement (some experts of each layer on the host) the kernel's card lookup feeds
+    the card experts: the same experts and logits within rounding as the jnp routing."""
+    from test_hybrid import SHAPE, prompt
+
+    from bloomery_jax.models.loader import load_model
+    from bloomery_jax.models.qwen3moe import forward
+
+    path, _ = synth_model(qtype="Q8_0", seed=11, **SHAPE)
+    tokens = jnp.asarray(prompt()[None, :8])
+    outs = {}
+    for routing in ("xla", "pallas"):
+        model = load_model(path, routing=routing, place=f"card-experts={SHAPE['n_experts'] // 2}")
+        logits, _, r = forward(model.params, model.cfg, tokens, jnp.arange(8)[None], model.init_cache(1, 8),
+                               model.placement)
+        outs[routing] = [np.asarray(a) for a in (logits, r.experts, r.margin)]
+        assert model.placement.host.stats.calls > 0  # host experts did take part
+    x, p = outs["xla"], outs["pallas"]
+    assert (x[2] > 1e-4).all()
+    np.testing.assert_array_equal(p[1], x[1])
+    assert np.abs(p[0] - x[0]).max() <= 1e-5 * x[0].std()

@@ -270,16 +270,21 @@ def _moe_block(params, cfg: Config, i: int, x, placement):
     norm = (as_f32(params[b + "ffn_norm.weight"]), cfg.rms_eps)
     h = rms_norm(x, *norm).reshape(B * T, D)  # [N, D]
     router_logits = qmatmul(h, params[b + "ffn_gate_inp.weight"], cfg.act_rounding)  # [N, E]
+    card = None
     if cfg.routing == "pallas":
         from ..pallas.route import route_topk as fused_route_topk
 
-        experts, weights, margin = fused_route_topk(router_logits, cfg.n_experts_used, interpret=interpret_kernels())
+        # with a placement the kernel also looks up each pick's card slot (no lookup kernel)
+        table = () if placement is None else (placement.slot_of, i)
+        experts, weights, margin, *card = fused_route_topk(router_logits, cfg.n_experts_used, *table,
+                                                           interpret=interpret_kernels())
+        card = card[0] if card else None
     else:
         experts, weights, margin = route_topk(router_logits, cfg.n_experts_used)  # [N, k], [N, k], [N]
     # the experts take x and the norm: the decode GEMV forms it in-kernel, so h feeds only the router
     y = placed_moe_swiglu(x.reshape(B * T, D), experts, weights, params[b + "ffn_gate_exps.weight"],
                           params[b + "ffn_up_exps.weight"], params[b + "ffn_down_exps.weight"], cfg.act_rounding,
-                          placement, i, cfg.moe_precision, norm)  # [N, D]
+                          placement, i, cfg.moe_precision, norm, card)  # [N, D]
     k = cfg.n_experts_used
     return x + y.reshape(B, T, D), (experts.reshape(B, T, k), weights.reshape(B, T, k), margin.reshape(B, T))
 

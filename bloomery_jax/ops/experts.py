@@ -166,7 +166,7 @@ def _moe_swiglu_gemm(x, experts, weights, gate, up, down, act_rounding, config):
 
 def placed_moe_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate, up, down,
                       act_rounding: str, placement, layer: int, precision: str = "tf32x3",
-                      norm: tuple | None = None) -> jax.Array:
+                      norm: tuple | None = None, card=None) -> jax.Array:
     """:func:`moe_swiglu` with each expert computed where ``placement`` puts it.
 
     Card experts run on their slots of the layer's card buffers (``gate``/``up``/``down`` hold
@@ -188,6 +188,8 @@ def placed_moe_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate
       layer: this layer's index in ``placement.slot_of``.
       precision, norm: as for :func:`moe_swiglu` (the host and the streamed experts read the
         normed x, formed first).
+      card: the routing's card slots and weights where the router already looked them up in
+        ``placement`` (``pallas.route.CardRoute``); None: looked up here.
     Returns:
       float32 ``[N, D]``.
     """
@@ -203,13 +205,14 @@ def placed_moe_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate
             full = [repack_on_device(q.data, q.qtype, q.shape, layout=gate.layout) for q in full]
         return moe_swiglu(x, experts, weights, *full, act_rounding, precision)
     slot_of = placement.slot_of[layer]  # [E]
-    slots = slot_of[experts]  # [N, k]
-    on_card = slots >= 0
-    n_slots = gate.shape[0]
+    if card is None:
+        slots = slot_of[experts]  # [N, k]
+        card_slots, card_weights = jnp.where(slots >= 0, slots, 0), jnp.where(slots >= 0, weights, 0.0)
+    else:
+        card_slots, card_weights = card
     out = jnp.zeros(x.shape, jnp.float32)
-    if n_slots:
-        out = moe_swiglu(card_x, jnp.where(on_card, slots, 0), jnp.where(on_card, weights, 0.0), gate, up, down,
-                         act_rounding, precision, card_norm)
+    if gate.shape[0]:  # the layer has card slots
+        out = moe_swiglu(card_x, card_slots, card_weights, gate, up, down, act_rounding, precision, card_norm)
     if host is not None:
         on_host = slot_of < 0  # [E]
         if host.skip_empty_calls:
