@@ -225,7 +225,13 @@ def stage_bench(args) -> None:
 
 
 def stage_host(args) -> None:
-    host = ["--tokens", "1,8", "--reps", "3", "--d", "256", "--f", "256", "--experts", "16"] if args.tiny else []
+    # the decode question: one and eight tokens at the thread count the bridge uses (cores - 2),
+    # under each work-item layout (rows per item : software prefetch rows ahead)
+    threads = str(max(1, (os.cpu_count() or 3) - 2))
+    host = ["--weights", "q4_k_m", "--acts", "q8", "--tokens", "1,8", "--threads", threads,
+            "--layouts", "16:0,16:2,16:4,64:0,64:2"]
+    if args.tiny:
+        host += ["--reps", "3", "--d", "256", "--f", "256", "--experts", "16"]
     args.out.mkdir(parents=True, exist_ok=True)
     for script, extra, flag in (("host_bench.py", host, "--out"),
                                 ("bridge_bench.py", ["--layers", "48", "--reps", "20", "--bridges", "callback,ffi,ffi-doorbell"], "--json")):

@@ -38,7 +38,7 @@ from numba import njit, prange
 
 from bloomery_jax.host import HostExpertLayer, HostTensor, host_moe_swiglu
 from bloomery_jax.host import blocks as B
-from bloomery_jax.host.swiglu import CHUNKSIZE
+from bloomery_jax.host.swiglu import CHUNKSIZE, PREFETCH_ROWS, ROWS_PER_ITEM
 from bloomery_jax.quant import quantize
 
 WEIGHT_SETS = {"q4_k_m": (T.Q4_K, T.Q6_K), "q8_0": (T.Q8_0, T.Q8_0), "q5_k": (T.Q5_K, T.Q5_K),
@@ -97,9 +97,11 @@ def routings(rng, N: int, k: int, E: int, count: int):
 
 
 def bench_case(layer, acts: list[str], N: int, k: int, reps: int, warmup: int, seed: int = 0,
-               chunksize: int = CHUNKSIZE, multi_min: int | None = None) -> dict[str, dict]:
-    """Time one layer call per routing for each activation variant, interleaved (act after act on
-    the same routing), so that a noisy machine disturbs the variants alike."""
+               chunksize: int = CHUNKSIZE, multi_min: int | None = None,
+               layouts: tuple[tuple[int, int], ...] = ((ROWS_PER_ITEM, PREFETCH_ROWS),)) -> dict[tuple, dict]:
+    """Time one layer call per routing for each variant (activation, rows per work item,
+    prefetch rows ahead), interleaved (variant after variant on the same routing), so that a
+    noisy machine disturbs the variants alike. Keys: (act, rows_per_item, prefetch_rows)."""
     E = layer.n_experts
     D, F = layer.dims
     rng = np.random.default_rng(seed)
@@ -108,15 +110,16 @@ def bench_case(layer, acts: list[str], N: int, k: int, reps: int, warmup: int, s
     on_host = np.ones(E, bool)
     routes = routings(rng, N, k, E, warmup + reps)
     per_expert = layer.expert_bytes()
-    ts = {act: [] for act in acts}
+    ts = {(act, rpi, pf): [] for act in acts for rpi, pf in layouts}
     nbytes = []
     for i, ex in enumerate(routes):
-        for act in acts:
+        for act, rpi, pf in ts:
             t0 = time.perf_counter()
-            host_moe_swiglu(x, ex, w, on_host, layer, act=act, chunksize=chunksize, multi_min=multi_min)
+            host_moe_swiglu(x, ex, w, on_host, layer, act=act, chunksize=chunksize, multi_min=multi_min,
+                            rows_per_item=rpi, prefetch_rows=pf)
             dt = time.perf_counter() - t0
             if i >= warmup:
-                ts[act].append(dt)
+                ts[(act, rpi, pf)].append(dt)
         if i >= warmup:
             nbytes.append(len(np.unique(ex)) * per_expert)
     # The same call with no pair on the host: argument checks, Numba dispatch, grouping, return.
@@ -130,9 +133,9 @@ def bench_case(layer, acts: list[str], N: int, k: int, reps: int, warmup: int, s
     gb = float(np.median(nbytes)) / 1e9
     work = N * k * per_expert / 1e9  # weight bytes the dot products run through (once per pair)
     out = {}
-    for act in acts:
-        t, best = float(np.median(ts[act])), float(np.min(ts[act]))
-        out[act] = {"ms": t * 1e3, "ms_min": best * 1e3, "GB": gb, "GBps": gb / t, "GBps_best": gb / best,
+    for key, times in ts.items():
+        t, best = float(np.median(times)), float(np.min(times))
+        out[key] = {"rows_per_item": key[1], "prefetch_rows": key[2], "ms": t * 1e3, "ms_min": best * 1e3, "GB": gb, "GBps": gb / t, "GBps_best": gb / best,
                     "pairs": N * k, "work_GBps": work / t, "empty_ms": empty_ms}
     return out
 
@@ -182,6 +185,9 @@ def main(argv=None) -> None:
     p.add_argument("--chunksize", type=int, default=CHUNKSIZE, help="host_moe_swiglu's chunksize (0: static)")
     p.add_argument("--multi-min", type=int, default=None,
                    help="host_moe_swiglu's multi_min (default: its own; 1000000 turns the multi-token path off)")
+    p.add_argument("--layouts", default=f"{ROWS_PER_ITEM}:{PREFETCH_ROWS}",
+                   help="work-item layouts to compare, comma separated ROWS_PER_ITEM:PREFETCH_ROWS "
+                        "(e.g. 16:0,16:2,64:0,64:2)")
     p.add_argument("--distinct", type=int, default=4, help="experts quantized, then tiled to E")
     p.add_argument("--bw-mib", type=int, default=1024, help="array size of the read-bandwidth sum")
     p.add_argument("--asm", action="store_true", help="print each row kernel's packed-SIMD mix (after the run)")
@@ -190,6 +196,7 @@ def main(argv=None) -> None:
 
     tokens = [int(s) for s in a.tokens.split(",")]
     threads = [int(s) for s in a.threads.split(",")]
+    layouts = tuple(tuple(int(v) for v in s.split(":")) for s in a.layouts.split(","))
     results = {"machine": {"cpu": platform.processor() or platform.machine(), "numba": numba.__version__,
                            "threading_layer": None, "cores": numba.config.NUMBA_NUM_THREADS},
                "shape": {"D": a.d, "F": a.f, "E": a.experts, "k": a.k}, "bandwidth": {}, "runs": []}
@@ -204,16 +211,16 @@ def main(argv=None) -> None:
         bw = read_bandwidth(a.bw_mib, max(5, a.reps // 2))
         results["bandwidth"][th] = bw
         print(f"\nthreads {th}: read bandwidth (numba parallel sum, {a.bw_mib} MiB f32) {bw:.1f} GB/s")
-        print(f"{'weights':8s} {'act':4s} {'N':>4s} {'ms':>8s} {'MB':>7s} {'GB/s':>6s} {'ratio':>5s} "
+        print(f"{'weights':8s} {'act':4s} {'rpi:pf':6s} {'N':>4s} {'ms':>8s} {'MB':>7s} {'GB/s':>6s} {'ratio':>5s} "
               f"{'best GB/s':>9s} {'work GB/s':>9s} {'empty ms':>8s}")
         for name, layer in layers.items():
             for N in tokens:
                 case = bench_case(layer, a.acts.split(","), N, a.k, a.reps, a.warmup, chunksize=a.chunksize,
-                                  multi_min=a.multi_min)
-                for act, r in case.items():
+                                  multi_min=a.multi_min, layouts=layouts)
+                for (act, rpi, pf), r in case.items():
                     r.update(weights=name, act=act, N=N, threads=th, ratio=r["GBps"] / bw)
                     results["runs"].append(r)
-                    print(f"{name:8s} {act:4s} {N:4d} {r['ms']:8.3f} {r['GB'] * 1e3:7.1f} {r['GBps']:6.2f} {r['ratio']:5.2f} "
+                    print(f"{name:8s} {act:4s} {rpi:3d}:{pf:<2d} {N:4d} {r['ms']:8.3f} {r['GB'] * 1e3:7.1f} {r['GBps']:6.2f} {r['ratio']:5.2f} "
                           f"{r['GBps_best']:9.2f} {r['work_GBps']:9.2f} {r['empty_ms']:8.3f}")
     results["machine"]["threading_layer"] = numba.threading_layer()
     print(f"\nnumba threading layer: {results['machine']['threading_layer']}")

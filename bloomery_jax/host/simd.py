@@ -257,3 +257,23 @@ def _q6k_row_dot(wide: bool):
 
 q4k_row_dot, q5k_row_dot, q6k_row_dot = _k_row_dot(False, False), _k_row_dot(True, False), _q6k_row_dot(False)
 q4k_row_dot_wide, q5k_row_dot_wide, q6k_row_dot_wide = _k_row_dot(False, True), _k_row_dot(True, True), _q6k_row_dot(True)
+
+
+@intrinsic
+def prefetch(typingctx, row, start, stop):
+    """Ask for bytes ``[start, stop)`` of the uint8 array ``row`` to be brought into the cache
+    (one ``llvm.prefetch`` a 64-byte line: read, keep in all levels). Changes no value; a hint
+    for the rows a thread will read next, which the hardware's stream prefetchers start late on
+    (each 4 KiB page anew, each short run of rows anew)."""
+    def codegen(context, builder, sig, args):
+        ary, start_, stop_ = args
+        ptr = _data(context, builder, sig.args[0], ary)
+        opaque = getattr(ptr.type, "is_opaque", False)
+        name = "llvm.prefetch.p0" if opaque else "llvm.prefetch.p0i8"
+        fn = _fn(builder, name, ir.VoidType(), ptr.type, I32, I32, I32)
+        step = ir.Constant(start_.type, 64)
+        with cgutils.for_range_slice(builder, start_, stop_, step, inc=True) as (i, _):
+            builder.call(fn, [builder.gep(ptr, [i]), ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
+        return context.get_dummy_value()
+
+    return types.void(row, start, stop), codegen

@@ -82,6 +82,7 @@ sets a 10,000-spin wait, and the bridges leave two cores free (``bridge.default_
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numba
 import numpy as np
@@ -89,6 +90,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from numba import njit, prange
 
 from . import blocks as B
+from .simd import prefetch
 
 # qtype → kernel format code
 KERNEL_FORMATS = {T.F32: B.F32, T.F16: B.F16, T.BF16: B.BF16, T.Q8_0: B.Q8_0,
@@ -96,6 +98,9 @@ KERNEL_FORMATS = {T.F32: B.F32, T.F16: B.F16, T.BF16: B.BF16, T.Q8_0: B.Q8_0,
 ACTS = ("f32", "q8")
 DEFAULT_ACT = "q8"
 ROWS_PER_ITEM = 16  # rows of one expert per parallel work item
+# Rows ahead of the one being dotted whose bytes a thread asks the cache for (0: none; the
+# hardware's prefetchers alone). A speed setting only; BLOOMERY_HOST_PREFETCH sets the default.
+PREFETCH_ROWS = int(os.environ.get("BLOOMERY_HOST_PREFETCH", "0"))
 # Activation rows with fewer elements than this are prepared (rounded to 8 bits, summed) on the
 # calling thread: a decode call's 1 x 2048 inputs and 8 x 768 hidden rows take microseconds,
 # less than a parallel region's fork and join (and than waking the workers, where they sleep).
@@ -207,7 +212,7 @@ class HostExpertLayer:
 def host_moe_swiglu(x: np.ndarray, experts: np.ndarray, weights: np.ndarray, on_host: np.ndarray,
                     layer: HostExpertLayer, *, act: str | None = None,
                     rows_per_item: int = ROWS_PER_ITEM, chunksize: int = CHUNKSIZE,
-                    multi_min: int | None = None) -> np.ndarray:
+                    multi_min: int | None = None, prefetch_rows: int = PREFETCH_ROWS) -> np.ndarray:
     """Weighted SwiGLU sum of the (token, expert) pairs whose expert is on the host.
 
     Args:
@@ -226,6 +231,8 @@ def host_moe_swiglu(x: np.ndarray, experts: np.ndarray, weights: np.ndarray, on_
         fewer, and each (row, token) dot reads the blocks itself. Default: ``MULTI_MIN``
         (``MULTI_MIN_Q8_0`` for Q8_0 weights under ``act="q8"``), per phase; 1 forces the
         multi-token path everywhere.
+      prefetch_rows: while dotting a row, ask the cache for the row this many ahead in the same
+        work item (0: no software prefetch). Never changes a result.
     Returns:
       float32 ``[N, D]``.
     """
@@ -251,7 +258,7 @@ def host_moe_swiglu(x: np.ndarray, experts: np.ndarray, weights: np.ndarray, on_
     try:
         return _moe_kernel(out, x, experts, weights, on_host, layer.gate.raw, layer.up.raw, layer.down.raw,
                            *s.formats, s.q8, _TAB16, _TABBF, max(1, int(rows_per_item)),
-                           numba.get_num_threads(), s.mmin1, s.mmin2)
+                           numba.get_num_threads(), s.mmin1, s.mmin2, max(0, int(prefetch_rows)))
     finally:
         numba.set_parallel_chunksize(before)
 
@@ -361,7 +368,7 @@ def _act_buffers(M, K):
 
 @njit(parallel=True, fastmath=True, cache=True, nogil=True)
 def _moe_kernel(out, x, experts, weights, on_host, gw, uw, dw, gfmt, ufmt, dfmt, q8, tab16, tabbf, rpi, nthreads,
-                mmin1, mmin2):
+                mmin1, mmin2, pf):
     # writes float32 out [N, D] (also returned)
     N, D = x.shape
     k = experts.shape[1]
@@ -419,9 +426,13 @@ def _moe_kernel(out, x, experts, weights, on_host, gw, uw, dw, gfmt, ufmt, dfmt,
     for it in prange(G * nrb):
         e = gexp[it // nrb]
         r0 = (it % nrb) * rpi
+        r1 = min(F, r0 + rpi)
         p0, p1 = start[e], start[e + 1]
         if p1 - p0 < mmin1:  # few tokens: each (row, token) dot reads the row's blocks itself
-            for r in range(r0, min(F, r0 + rpi)):
+            for r in range(r0, r1):
+                if pf > 0 and r + pf < r1:
+                    prefetch(gw[e, r + pf], 0, gw.shape[2])
+                    prefetch(uw[e, r + pf], 0, uw.shape[2])
                 grow = gw[e, r]
                 urow = uw[e, r]
                 for p in range(p0, p1):
@@ -434,7 +445,10 @@ def _moe_kernel(out, x, experts, weights, on_host, gw, uw, dw, gfmt, ufmt, dfmt,
             ga = np.empty(p1 - p0, np.float32)
             ub = np.empty(p1 - p0, np.float32)
             ids = pair_tok[p0:p1]
-            for r in range(r0, min(F, r0 + rpi)):
+            for r in range(r0, r1):
+                if pf > 0 and r + pf < r1:
+                    prefetch(gw[e, r + pf], 0, gw.shape[2])
+                    prefetch(uw[e, r + pf], 0, uw.shape[2])
                 B.decode_row(gfmt, ka, gw[e, r], wq, wsc, wm, wdm, wf, tab16, tabbf)
                 B.mdot(gfmt, ka, wq, wsc, wm, wdm, wf, ids, x, XQK, XDK, XBK, XQ0, XD0, ga)
                 B.decode_row(ufmt, kb, uw[e, r], wq, wsc, wm, wdm, wf, tab16, tabbf)
@@ -458,20 +472,25 @@ def _moe_kernel(out, x, experts, weights, on_host, gw, uw, dw, gfmt, ufmt, dfmt,
     nrb = (D + rpi2 - 1) // rpi2
     for it in prange(nrb):
         r0 = it * rpi2
+        r1 = min(D, r0 + rpi2)
         wq, wsc, wm, wdm, wf = _row_buffers(F if maxc >= mmin2 else 0)
         res = np.empty(maxc, np.float32)
         for g in range(G):
             e = gexp[g]
             p0, p1 = start[e], start[e + 1]
             if p1 - p0 < mmin2:
-                for r in range(r0, min(D, r0 + rpi2)):
+                for r in range(r0, r1):
+                    if pf > 0 and r + pf < r1:
+                        prefetch(dw[e, r + pf], 0, dw.shape[2])
                     drow = dw[e, r]
                     for p in range(p0, p1):
                         y = _row_dot(dfmt, q8, drow, p, H, HS, HQK, HDK, HBK, HQ8, H16, HQ0, HD0, tab16, tabbf)
                         out[pair_tok[p], r] += pair_w[p] * y
             else:
                 ids = pids[p0:p1]
-                for r in range(r0, min(D, r0 + rpi2)):
+                for r in range(r0, r1):
+                    if pf > 0 and r + pf < r1:
+                        prefetch(dw[e, r + pf], 0, dw.shape[2])
                     B.decode_row(dfmt, kd, dw[e, r], wq, wsc, wm, wdm, wf, tab16, tabbf)
                     B.mdot(dfmt, kd, wq, wsc, wm, wdm, wf, ids, H, HQK, HDK, HBK, HQ0, HD0, res)
                     for i in range(p1 - p0):
