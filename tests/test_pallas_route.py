@@ -48,7 +48,7 @@ def test_card_route_is_the_placement_lookup(N, E, k, layer):
     logits = jnp.asarray((rng.standard_normal((N, E)) * 2).astype(np.float32))
     on_card = rng.random((3, E)) < 0.5
     table = np.where(on_card, rng.permutation(3 * E).reshape(3, E) % 97, -1).astype(np.int32)
-    experts, weights, margin, card = (route_topk(logits, k, jnp.asarray(table), layer, interpret=True))
+    experts, weights, margin, card = route_topk(logits, k, jnp.asarray(table), layer, interpret=True)
     plain = route_topk(logits, k, interpret=True)
     for a, b in zip((experts, weights, margin), plain):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -77,7 +77,8 @@ def test_lowers_to_triton_for_h200(monkeypatch, N):
     logits = jax.ShapeDtypeStruct((N, 128), jnp.float32)
     assert triton_kernels(monkeypatch, lambda x: route_topk(x, 8), logits) == [("route_topk", 90, True)]
     table = jax.ShapeDtypeStruct((48, 128), jnp.int32)  # with the placement lookup
-    assert triton_kernels(monkeypatch, lambda x, t: route_topk(x, 8, t, 47), logits, table) == [("route_topk", 90, True)]
+    placed = triton_kernels(monkeypatch, lambda x, t: route_topk(x, 8, t, 47), logits, table)
+    assert placed == [("route_topk", 90, True)]
 
 
 def test_model_routing_pallas_matches_xla(synth_model):

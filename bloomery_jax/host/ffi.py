@@ -39,7 +39,8 @@ import numpy as np
 from ..errors import ConfigError
 from . import ffi_layout as F
 from .bridge import BridgeStats, HostBridge
-from .swiglu import _TAB16, _TABBF, EXPERT_ROLES, PREFETCH_ROWS, ROWS_PER_ITEM, HostExpertLayer, HostTensor, kernel_settings
+from .swiglu import (_TAB16, _TABBF, EXPERT_ROLES, PREFETCH_ROWS, ROWS_PER_ITEM, HostExpertLayer, HostTensor,
+                     kernel_settings)
 
 SOURCE = Path(__file__).resolve().parent / "ffi_bridge.cc"
 TARGET = "bloomery_host_moe"
