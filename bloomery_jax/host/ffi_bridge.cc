@@ -27,6 +27,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <cstdint>
 #include <map>
@@ -269,6 +270,8 @@ Bell* g_bells = nullptr;                // [kMaxDevices], pinned
 uint64_t g_bell_device[kMaxDevices];    // each bell's device address, 0 until started
 std::atomic<int> g_bell_devices{0};     // the worker polls bells [0, this)
 std::mutex g_bell_mu;
+std::atomic<bool> g_bell_stop{false};
+std::thread* g_bell_worker = nullptr;
 
 inline void Pause() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -278,9 +281,9 @@ inline void Pause() {
 #endif
 }
 
-[[noreturn]] void BellWorker() {
+void BellWorker() {
   auto last = std::chrono::steady_clock::now();
-  for (;;) {
+  while (!g_bell_stop.load(std::memory_order_relaxed)) {
     bool ran = false;
     int devices = g_bell_devices.load(std::memory_order_acquire);
     for (int d = 0; d < devices; ++d) {
@@ -321,7 +324,13 @@ std::string StartBell(const Driver& cu, int ordinal) {
     if (!failed.empty()) return failed;
     std::memset(p, 0, sizeof(Bell) * kMaxDevices);
     g_bells = static_cast<Bell*>(p);
-    std::thread(BellWorker).detach();
+    g_bell_worker = new std::thread(BellWorker);
+    // At exit the worker stops before the driver's own exit handlers (registered earlier, so run
+    // later) unmap the pinned bells it polls.
+    std::atexit([] {
+      g_bell_stop.store(true);
+      g_bell_worker->join();
+    });
   }
   uint64_t device_address = 0;
   failed = InContext(cu, ordinal, "cuMemHostGetDevicePointer", [&] {
