@@ -34,18 +34,19 @@ def reference(q, k, v, visible, scale):
     return gqa_attention(q[:, None], k, v, mask, scale)[:, 0]  # [B, Hq, Dh]
 
 
-@pytest.mark.parametrize("B,S,Hq,Hkv,Dh,visible,block_s,split", [
-    (2, 100, 8, 2, 64, [37, 100], 16, 32),  # S not a multiple of the block; empty splits for row 0
-    (1, 64, 4, 4, 32, [64], 16, 64),  # MHA, one split
-    (3, 40, 8, 1, 16, [1, 17, 40], 8, 16),  # MQA, a row that sees one slot
+@pytest.mark.parametrize("B,S,Hq,Hkv,Dh,visible,block_s,splits", [
+    (2, 100, 8, 2, 64, [37, 100], 16, 4),  # S not a multiple of the block; row 0: shares of one block
+    (1, 64, 4, 4, 32, [64], 16, 1),  # MHA, one split
+    (3, 40, 8, 1, 16, [1, 17, 40], 8, 3),  # MQA, a row that sees one slot; splits not dividing the blocks
+    (2, 200, 4, 2, 16, [9, 200], 8, None),  # the default: 16 splits, most of them idle for row 0
 ])
-def test_matches_reference(B, S, Hq, Hkv, Dh, visible, block_s, split):
+def test_matches_reference(B, S, Hq, Hkv, Dh, visible, block_s, splits):
     q, k, v = cache(B, S, Hq, Hkv, Dh)
     vis = jnp.asarray(visible, jnp.int32)
     want = reference(q, k, v, vis, 0.125)
     G = Hq // Hkv
     for per_program in sorted({1, 2 if G % 2 == 0 else 1, G}):  # one head a program, or several of a kv head
-        got = decode_attention(q, k, v, vis, 0.125, block_s=block_s, split=split, heads_per_program=per_program,
+        got = decode_attention(q, k, v, vis, 0.125, block_s=block_s, splits=splits, heads_per_program=per_program,
                                interpret=True)
         assert got.shape == (B, Hq, Dh) and got.dtype == jnp.float32
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=ATOL, err_msg=f"P={per_program}")
@@ -55,7 +56,7 @@ def test_slots_past_visible_are_ignored():
     # changing the cache past `visible` changes nothing; changing a visible slot does (guards the test)
     q, k, v = cache(1, 64, 4, 2, 32, seed=1)
     vis = jnp.asarray([20], jnp.int32)
-    run = lambda k, v: np.asarray(decode_attention(q, k, v, vis, 0.2, block_s=16, split=32, interpret=True))
+    run = lambda k, v: np.asarray(decode_attention(q, k, v, vis, 0.2, block_s=16, splits=2, interpret=True))
     base = run(k, v)
     np.testing.assert_array_equal(run(k.at[0, 20:].set(9.0), v.at[0, 20:].set(9.0)), base)
     assert np.abs(run(k, v.at[0, 19].set(9.0)) - base).max() > 1e-2
@@ -66,7 +67,7 @@ def test_rows_pick_cache_rows():
     q, _, _ = cache(3, 50, 8, 2, 32, seed=3)
     _, k, v = cache(5, 50, 8, 2, 32, seed=4)
     rows, vis = jnp.asarray([4, 0, 4], jnp.int32), jnp.asarray([50, 7, 12], jnp.int32)
-    got = decode_attention(q, k, v, vis, 0.3, rows, block_s=16, split=32, interpret=True)
+    got = decode_attention(q, k, v, vis, 0.3, rows, block_s=16, splits=2, interpret=True)
     want = reference(q, k[rows], v[rows], vis, 0.3)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=ATOL)
 
@@ -88,7 +89,7 @@ def test_whole_cache_buffer_with_a_window():
 
 def test_no_visible_slot_gives_zeros():
     q, k, v = cache(2, 32, 4, 2, 16, seed=2)
-    got = decode_attention(q, k, v, jnp.asarray([0, 5], jnp.int32), 0.25, block_s=8, split=16, interpret=True)
+    got = decode_attention(q, k, v, jnp.asarray([0, 5], jnp.int32), 0.25, block_s=8, splits=2, interpret=True)
     assert (np.asarray(got[0]) == 0).all() and np.isfinite(np.asarray(got)).all()
 
 
@@ -100,8 +101,8 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="without rows"):
         decode_attention(q, jnp.concatenate([k, k]), jnp.concatenate([v, v]), jnp.asarray([3], jnp.int32), 0.25,
                          interpret=True)
-    with pytest.raises(ValueError, match="not a multiple of block_s"):
-        decode_attention(q, k, v, jnp.asarray([3], jnp.int32), 0.25, block_s=16, split=24, interpret=True)
+    with pytest.raises(ValueError, match="splits must be >= 1"):
+        decode_attention(q, k, v, jnp.asarray([3], jnp.int32), 0.25, splits=0, interpret=True)
     with pytest.raises(ValueError, match="heads_per_program 3 must divide"):
         decode_attention(q, k, v, jnp.asarray([3], jnp.int32), 0.25, heads_per_program=3, interpret=True)
 

@@ -11,11 +11,14 @@ Dh]`` (free), with ``rows = layer * N + slot``: nothing is sliced out of it firs
 visible slots are read.
 
 How (split-K decode, as flash-decoding does): a Pallas kernel (Triton lowering) on a grid
-``(B, Hq / P, S / split)``. Program (b, h, j) takes P query heads (``heads_per_program``, a
-divisor of G = Hq / Hkv; all P read the same kv head) and walks its ``split`` slots of cache
-row ``rows[b]`` ``block_s`` at a time (only up to ``visible``), keeping per head a running max,
-a running sum of exponentials and a weighted sum of values (online softmax); slots past
-``visible`` or past S are masked. P = 1 is the default: with P = G each program ran the G heads'
+``(B, Hq / P, splits)``. Program (b, h, j) takes P query heads (``heads_per_program``, a
+divisor of G = Hq / Hkv; all P read the same kv head) and walks the j-th of ``splits`` equal
+shares of the *visible* prefix of cache row ``rows[b]`` (each share a whole number of
+``block_s`` blocks, sized at run time from ``visible``), ``block_s`` slots at a time, keeping
+per head a running max, a running sum of exponentials and a weighted sum of values (online
+softmax); slots past ``visible`` or past S are masked. Sharing out the visible prefix, not the
+cache's S slots, keeps every program busy at any length: with shares of S, a 640-token context
+in a 4,096-slot cache gave two of eight splits all the work, 8 blocks one after another each. P = 1 is the default: with P = G each program ran the G heads'
 score, softmax and value sums one after another, and on the H200 a step of one sequence was
 B x Hkv = 4 programs taking ~34 us a layer (benchmarks/gpu_2026-12-04-s9, trace-call2), against
 ~7 us for XLA's attention. Programs of one head read their kv head G times over, from L2 while
@@ -41,14 +44,15 @@ __all__ = ["decode_attention", "cache_decode_attention"]
 
 
 def _kernel(vis_ref, row_ref, q_ref, k_ref, v_ref, m_ref, l_ref, o_ref, *, groups: int, group_size: int,
-            block_s: int, split: int, n_slots: int, scale: float):
+            block_s: int, splits: int, n_slots: int, scale: float):
     # vis_ref, row_ref [1] i32; q_ref [P, Dh] (P = groups query heads); k_ref, v_ref [R, S, Hkv, Dh]
     # (the whole cache, unblocked); m_ref, l_ref [1, 1, P, 1]; o_ref [1, 1, P, Dh]: this split's partials
     row, head = row_ref[0], pl.program_id(1) * groups // group_size  # the kv head of these query heads
     j = pl.program_id(2)
-    start = j * split
     visible = jnp.minimum(vis_ref[0], n_slots)
-    n_blocks = jnp.clip((visible - start + block_s - 1) // block_s, 0, split // block_s)
+    share = (visible + splits * block_s - 1) // (splits * block_s)  # blocks each split walks (at most)
+    start = j * share * block_s
+    n_blocks = jnp.clip((visible - start + block_s - 1) // block_s, 0, share)
     qs = [q_ref[g, :].astype(F32) * scale for g in range(groups)]  # G x [Dh], scaled once
     dh = qs[0].shape[0]
 
@@ -80,11 +84,17 @@ def _kernel(vis_ref, row_ref, q_ref, k_ref, v_ref, m_ref, l_ref, o_ref, *, group
         o_ref[0, 0, g, :] = accs[g]
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_s", "split", "heads_per_program", "num_warps",
+def default_splits(n_slots: int, block_s: int = 64) -> int:
+    """Programs a query head's cache row is shared out to: 16, more for long caches (so that a
+    share of a full cache is at most 512 slots), never more than the row has blocks."""
+    return max(1, min(pl.cdiv(n_slots, block_s), max(16, pl.cdiv(n_slots, 512))))
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "block_s", "splits", "heads_per_program", "num_warps",
                                              "interpret"))
 def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, scale: float,
-                     rows: jax.Array | None = None, *, block_s: int = 64, split: int = 512, heads_per_program: int = 1,
-                     num_warps: int = 4, interpret: bool = False) -> jax.Array:
+                     rows: jax.Array | None = None, *, block_s: int = 64, splits: int | None = None,
+                     heads_per_program: int = 1, num_warps: int = 4, interpret: bool = False) -> jax.Array:
     """Softmax attention of one query token per sequence over the first ``visible[b]`` cache slots.
 
     Args:
@@ -95,7 +105,9 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Arra
       scale: multiplies the scores.
       rows: int32 ``[B]``, the cache row of each query (in ``[0, R)``; not checked on the card);
         None: row b, with R == B.
-      block_s: cache slots per loop step; split: slots per program (a multiple of block_s).
+      block_s: cache slots per loop step.
+      splits: programs per query head along the cache, each walking an equal share of the
+        visible prefix (None: :func:`default_splits`).
       heads_per_program: query heads a program serves, a divisor of Hq / Hkv.
       num_warps: Triton warps per program.
       interpret: run with the Pallas interpreter (CPU tests).
@@ -113,14 +125,14 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Arra
         raise ValueError(f"decode_attention: q [B, Hq, Dh], k/v [R, S, Hkv, Dh] with Hkv dividing Hq, "
                          f"visible and rows [B]; got {q.shape}, {k.shape}, {v.shape}, {visible.shape}, "
                          f"{jnp.shape(rows)}")
-    if split % block_s:
-        raise ValueError(f"decode_attention: split {split} is not a multiple of block_s {block_s}")
+    n_splits = default_splits(S, block_s) if splits is None else splits
+    if n_splits < 1:
+        raise ValueError(f"decode_attention: splits must be >= 1, got {splits}")
     G = Hq // Hkv
     P = heads_per_program
     if P < 1 or G % P:
         raise ValueError(f"decode_attention: heads_per_program {P} must divide the {G} query heads of a kv head")
-    n_splits = pl.cdiv(S, split)
-    kernel = functools.partial(_kernel, groups=P, group_size=G, block_s=block_s, split=split, n_slots=S,
+    kernel = functools.partial(_kernel, groups=P, group_size=G, block_s=block_s, splits=n_splits, n_slots=S,
                                scale=float(scale))
     part = lambda last: pl.BlockSpec((1, 1, P, last), lambda b, h, j: (b, j, h, 0))
     per_query = pl.BlockSpec((1,), lambda b, h, j: (b,))
