@@ -366,6 +366,14 @@ def _act_buffers(M, K):
             np.empty((M, K), np.int16), np.empty((M, K // 32), np.float32))
 
 
+@njit(inline="always", nogil=True)
+def _ahead(w, e, r, pf, r1):
+    """Prefetch row r + pf of expert e's ``w`` when ``pf`` > 0 and that row is still before
+    ``r1``, the work item's end."""
+    if pf > 0 and r + pf < r1:
+        prefetch(w[e, r + pf], 0, w.shape[2])
+
+
 @njit(parallel=True, fastmath=True, cache=True, nogil=True)
 def _moe_kernel(out, x, experts, weights, on_host, gw, uw, dw, gfmt, ufmt, dfmt, q8, tab16, tabbf, rpi, nthreads,
                 mmin1, mmin2, pf):
@@ -430,9 +438,8 @@ def _moe_kernel(out, x, experts, weights, on_host, gw, uw, dw, gfmt, ufmt, dfmt,
         p0, p1 = start[e], start[e + 1]
         if p1 - p0 < mmin1:  # few tokens: each (row, token) dot reads the row's blocks itself
             for r in range(r0, r1):
-                if pf > 0 and r + pf < r1:
-                    prefetch(gw[e, r + pf], 0, gw.shape[2])
-                    prefetch(uw[e, r + pf], 0, uw.shape[2])
+                _ahead(gw, e, r, pf, r1)
+                _ahead(uw, e, r, pf, r1)
                 grow = gw[e, r]
                 urow = uw[e, r]
                 for p in range(p0, p1):
@@ -446,9 +453,8 @@ def _moe_kernel(out, x, experts, weights, on_host, gw, uw, dw, gfmt, ufmt, dfmt,
             ub = np.empty(p1 - p0, np.float32)
             ids = pair_tok[p0:p1]
             for r in range(r0, r1):
-                if pf > 0 and r + pf < r1:
-                    prefetch(gw[e, r + pf], 0, gw.shape[2])
-                    prefetch(uw[e, r + pf], 0, uw.shape[2])
+                _ahead(gw, e, r, pf, r1)
+                _ahead(uw, e, r, pf, r1)
                 B.decode_row(gfmt, ka, gw[e, r], wq, wsc, wm, wdm, wf, tab16, tabbf)
                 B.mdot(gfmt, ka, wq, wsc, wm, wdm, wf, ids, x, XQK, XDK, XBK, XQ0, XD0, ga)
                 B.decode_row(ufmt, kb, uw[e, r], wq, wsc, wm, wdm, wf, tab16, tabbf)
@@ -480,8 +486,7 @@ def _moe_kernel(out, x, experts, weights, on_host, gw, uw, dw, gfmt, ufmt, dfmt,
             p0, p1 = start[e], start[e + 1]
             if p1 - p0 < mmin2:
                 for r in range(r0, r1):
-                    if pf > 0 and r + pf < r1:
-                        prefetch(dw[e, r + pf], 0, dw.shape[2])
+                    _ahead(dw, e, r, pf, r1)
                     drow = dw[e, r]
                     for p in range(p0, p1):
                         y = _row_dot(dfmt, q8, drow, p, H, HS, HQK, HDK, HBK, HQ8, H16, HQ0, HD0, tab16, tabbf)
@@ -489,8 +494,7 @@ def _moe_kernel(out, x, experts, weights, on_host, gw, uw, dw, gfmt, ufmt, dfmt,
             else:
                 ids = pids[p0:p1]
                 for r in range(r0, r1):
-                    if pf > 0 and r + pf < r1:
-                        prefetch(dw[e, r + pf], 0, dw.shape[2])
+                    _ahead(dw, e, r, pf, r1)
                     B.decode_row(dfmt, kd, dw[e, r], wq, wsc, wm, wdm, wf, tab16, tabbf)
                     B.mdot(dfmt, kd, wq, wsc, wm, wdm, wf, ids, H, HQK, HDK, HBK, HQ0, HD0, res)
                     for i in range(p1 - p0):
