@@ -65,9 +65,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--place", default="card", help=PLACE_HELP)
     p.add_argument("--weights", choices=WEIGHT_FORMS, default="auto", help=WEIGHTS_HELP)
     p.add_argument("--kernels", choices=KERNELS, default="auto", help=KERNELS_HELP)
-    p.add_argument("--attention", choices=ATTENTION, default="xla", help=ATTENTION_HELP)
+    p.add_argument("--attention", choices=ATTENTION, default="auto", help=ATTENTION_HELP)
     p.add_argument("--bridge", choices=BRIDGES, default="auto", help=BRIDGE_HELP)
-    p.add_argument("--routing", choices=ROUTING, default="xla", help=ROUTING_HELP)
+    p.add_argument("--routing", choices=ROUTING, default="auto", help=ROUTING_HELP)
     p.add_argument("--decode-block", type=int, default=0,
                    help="decode steps per device call (Engine.decode_block; default 0: 8 on a GPU, 1 elsewhere)")
     add_residency_args(p)
@@ -207,8 +207,8 @@ def run(argv: list[str] | None = None, out=None, err=None) -> list[dict]:
         recs, compile_s = run_parallel(model, args, parallel, progress, rng)
         for r in recs:
             r.update(model=str(model.path), architecture=model.gguf.architecture, model_bytes=size,
-                     ubatch=args.ubatch, kv_dtype=args.kv_dtype, kernels=kernels, attention=args.attention,
-                     bridge=bridge, host_signal=signal, routing=args.routing, weights=args.weights,
+                     ubatch=args.ubatch, kv_dtype=args.kv_dtype, kernels=kernels, attention=model.attention,
+                     bridge=bridge, host_signal=signal, routing=model.routing, weights=args.weights,
                      decode_block=args.decode_block, reps=args.reps, load_s=load_s,
                      compile_s=compile_s, witness=witness)
             if args.json:  # as each finishes: a run cut short still leaves what it measured

@@ -18,12 +18,14 @@ KERNELS_HELP = ("card matmuls: reference (jnp dequantize + matmul), pallas (GPU 
 
 
 ATTENTION_HELP = ("attention: xla (jnp; on the GPU each layer's cache is copied out and attended "
-                  "over in full under a mask) or pallas (decode and flash prefill kernels reading only each "
-                  "sequence's visible positions straight from the cache; default xla)")
+                  "over in full under a mask), pallas (decode and flash prefill kernels reading only each "
+                  "sequence's visible positions straight from the cache) or auto (pallas on a GPU for models "
+                  "that have it, else xla; the default)")
 
 
-ROUTING_HELP = ("MoE routing: xla (softmax, sort and gather: three or four kernels a layer on the GPU) or "
-                "pallas (one kernel; default xla)")
+ROUTING_HELP = ("MoE routing: xla (softmax, sort and gather: three or four kernels a layer on the GPU), "
+                "pallas (one kernel, which also looks up the placement) or auto (pallas on a GPU for models "
+                "that have it, else xla; the default)")
 
 
 BRIDGE_HELP = ("how the step reaches the host experts: callback (jax.pure_callback: syncs and copies through "

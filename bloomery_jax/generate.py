@@ -51,9 +51,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--place", default="card", help=PLACE_HELP)
     p.add_argument("--weights", choices=WEIGHT_FORMS, default="auto", help=WEIGHTS_HELP)
     p.add_argument("--kernels", choices=KERNELS, default="auto", help=KERNELS_HELP)
-    p.add_argument("--attention", choices=ATTENTION, default="xla", help=ATTENTION_HELP)
+    p.add_argument("--attention", choices=ATTENTION, default="auto", help=ATTENTION_HELP)
     p.add_argument("--bridge", choices=BRIDGES, default="auto", help=BRIDGE_HELP)
-    p.add_argument("--routing", choices=ROUTING, default="xla", help=ROUTING_HELP)
+    p.add_argument("--routing", choices=ROUTING, default="auto", help=ROUTING_HELP)
     p.add_argument("--decode-block", type=int, default=0,
                    help="decode steps per device call (default 0: 8 on a GPU, 1 elsewhere): the host's per-call "
                         "work is paid once for that many tokens; tokens after a stop are computed and dropped")

@@ -18,8 +18,8 @@ from .errors import ConfigError
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 KERNELS = ("reference", "pallas", "pallas-tf32", "pallas-q8", "auto")  # auto: pallas on a GPU (models.loader.resolve_kernels)
 KV_DTYPES = ("float32", "bfloat16", "float16")
-ATTENTION = ("xla", "pallas")  # decode attention (models.loader.load_model)
-ROUTING = ("xla", "pallas")  # MoE routing (models.loader.load_model)
+ATTENTION = ("xla", "pallas", "auto")  # attention; auto: pallas on a GPU where the model has it (load_model)
+ROUTING = ("xla", "pallas", "auto")  # MoE routing; auto: as attention
 BRIDGES = ("callback", "ffi", "auto")  # the host-expert bridge; auto: ffi on a GPU (models.loader.resolve_bridge)
 WEIGHT_FORMS = ("blocks", "f32", "auto")  # card weights (models.loader.load_model)
 
@@ -34,9 +34,9 @@ class RuntimeSettings:
     placement: str = "card"  # placement rule string (see bloomery_jax.placement)
     kv_dtype: str = "float32"
     weights: str = "auto"  # card weights: blocks | f32 | auto (models.loader.load_model)
-    attention: str = "xla"  # decode attention: xla (jnp) | pallas (kernel on the cache buffer)
+    attention: str = "auto"  # xla (jnp) | pallas (kernels on the cache buffer) | auto (pallas on a GPU)
     bridge: str = "auto"  # host experts: callback (jax.pure_callback) | ffi (XLA FFI custom call) | auto
-    routing: str = "xla"  # MoE routing: xla (jnp softmax + top-k) | pallas (one kernel)
+    routing: str = "auto"  # MoE routing: xla (jnp softmax + top-k) | pallas (one kernel) | auto (pallas on a GPU)
     decode_block: int = 0  # decode steps per device call while only generating; 0: 8 on a GPU, else 1
 
     def __post_init__(self):

@@ -134,6 +134,38 @@ def test_bad_kernel_settings(q4km):
     assert not any(isinstance(v, PackedWeight) for v in load_model(q4km, kernels="auto").params.values())  # CPU
 
 
+def test_auto_attention_and_routing_are_pallas_on_a_gpu(q4km):
+    """auto: the kernels on a GPU for an architecture that has them, xla on the CPU and for one
+    that has not (gemma3's Config has no attention field); the loaded model says which it runs."""
+    from types import SimpleNamespace
+
+    from bloomery_jax.models.loader import resolve_kernel_choice
+
+    gpu, cpu = SimpleNamespace(platform="gpu"), SimpleNamespace(platform="cpu")
+    qwen, gemma = SimpleNamespace(attention="xla", routing="xla"), SimpleNamespace()
+    assert [resolve_kernel_choice(f, "auto", qwen, gpu) for f in ("attention", "routing")] == ["pallas", "pallas"]
+    assert [resolve_kernel_choice(f, "auto", qwen, cpu) for f in ("attention", "routing")] == ["xla", "xla"]
+    assert resolve_kernel_choice("attention", "auto", gemma, gpu) == "xla"
+    assert resolve_kernel_choice("routing", "pallas", qwen, cpu) == "pallas"  # an explicit choice stands
+    model = load_model(q4km, attention="auto", routing="auto")  # on this CPU
+    assert (model.attention, model.routing, model.cfg.attention, model.cfg.routing) == ("xla",) * 4
+    model = load_model(q4km, attention="pallas", routing="pallas")
+    assert (model.attention, model.routing, model.cfg.attention, model.cfg.routing) == ("pallas",) * 4
+
+
+def test_pallas_attention_refuses_a_cache_over_its_offsets(q4km):
+    """The engine says, before making the cache, when a pallas-attention cache buffer would pass
+    2^31 elements (the kernels' int32 offsets), and how to get under it."""
+    from bloomery_jax.engine.engine import PALLAS_CACHE_ELEMENTS, Engine
+
+    model = load_model(q4km, attention="pallas")
+    cfg = model.cfg
+    per_position = cfg.n_layers * cfg.n_kv_heads * cfg.head_dim
+    too_long = PALLAS_CACHE_ELEMENTS // per_position + 1  # one slot of this many positions is over
+    with pytest.raises(ConfigError, match="int32 offsets.*lower max_context or parallel"):
+        Engine(model, n_slots=1, max_context=too_long, min_rows=1)
+
+
 # kernels=pallas-q8 against the reference path with the same (llama.cpp CUDA) activation rounding:
 # where the two paths' f32 sums differ by an ulp next to a rounding boundary, one activation moves
 # by a whole Q8_1 step (max|x| / 127 of its block) and that position's logits by up to a few 1e-2

@@ -66,6 +66,9 @@ def _default_min_rows() -> int:
     return 2 if jax.default_backend() == "cpu" else 1
 
 
+PALLAS_CACHE_ELEMENTS = 2 ** 31  # the Pallas attention kernels address a cache buffer with int32 offsets
+
+
 class Engine:
     """Continuous-batching engine over one loaded model.
 
@@ -115,6 +118,14 @@ class Engine:
         # Committed to the device like every step output: jit keys committed and uncommitted
         # arrays apart, so fresh uncommitted state would compile each step a second time.
         device = jax.devices()[0]
+        if getattr(cfg, "attention", "xla") == "pallas":  # checked before the cache is made
+            elements = cfg.n_layers * rows * max_context * cfg.n_kv_heads * cfg.head_dim
+            if elements >= PALLAS_CACHE_ELEMENTS:
+                raise ConfigError(
+                    f"attention='pallas' reads the KV cache with int32 offsets: a buffer of {elements:,} elements "
+                    f"({cfg.n_layers} layers x {rows} slots x {max_context} positions x {cfg.n_kv_heads} kv heads x "
+                    f"{cfg.head_dim}) is over its {PALLAS_CACHE_ELEMENTS:,}; lower max_context or parallel, or take "
+                    "attention='xla'")
         self.cache = jax.device_put(SlotCache.for_config(cfg, rows, max_context, kv_dtype), device)
         self.sampler = jax.device_put(sampling.make_rows([empty] * rows), device)
         self.steps = StepFunctions(model.module.forward, cfg, n_top)

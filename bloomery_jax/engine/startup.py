@@ -65,7 +65,7 @@ class Progress:
 
 
 def open_model(path, progress: Progress, place: str = "card", weights: str = "auto", kernels: str = "auto",
-               attention: str = "xla", bridge: str = "auto", routing: str = "xla"):
+               attention: str = "auto", bridge: str = "auto", routing: str = "auto"):
     """Load a model and its tokenizer. Returns (model, tokenizer, seconds).
 
     Args:
@@ -74,9 +74,9 @@ def open_model(path, progress: Progress, place: str = "card", weights: str = "au
       place: the expert placement rule (``placement.parse_rule``).
       weights: card weights as blocks | f32 | auto (``models.loader.load_model``).
       kernels: reference | pallas | auto (``models.loader.load_model``).
-      attention: xla | pallas (``models.loader.load_model``).
+      attention: xla | pallas | auto (``models.loader.load_model``).
       bridge: callback | ffi | auto, how steps reach host experts (``models.loader.load_model``).
-      routing: xla | pallas (``models.loader.load_model``).
+      routing: xla | pallas | auto (``models.loader.load_model``).
     Raises:
       BloomeryError (GGUFError, ConfigError, ...) on a bad file; for the default model an
       unsupported architecture says which one the default model needs.

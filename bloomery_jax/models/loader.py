@@ -42,6 +42,8 @@ class Model:
     placement: object = None  # placement.Placement for MoE models, None for dense ones
     kernels: str = "reference"  # the card kernels it runs (``resolve_kernels`` of the load's setting)
     bridge: str = "callback"  # the host-expert bridge it was loaded with (``resolve_bridge``)
+    attention: str = "xla"  # the attention and routing it runs (``resolve_kernel_choice``)
+    routing: str = "xla"
 
     @property
     def path(self) -> str:
@@ -94,12 +96,13 @@ def load_model(path: str | os.PathLike, *, device=None, place="card", reserve_by
         (flash attention), straight from the cache buffer, reading only each query's visible
         positions (the jnp path copies each layer's cache out of the buffer on the GPU and
         attends over all of it under a mask). ConfigError for an architecture without it.
+        "auto": pallas on a GPU for an architecture that has it, else xla (``resolve_kernel_choice``).
       bridge: how steps reach the host experts: "callback" (``host.bridge.HostBridge``,
         jax.pure_callback), "ffi" (``host.ffi.FfiHostBridge``, an XLA FFI custom call; the
         same results bit for bit; ConfigError where its library cannot be built) or "auto"
         (``resolve_bridge``).
       routing: "xla" (``ops.routing``, jnp) or "pallas" (``pallas.route_topk``: softmax and top-k
-        in one kernel). ConfigError for an architecture without it.
+        in one kernel). ConfigError for an architecture without it; "auto" as for attention.
     Returns:
       the Model.
     """
@@ -113,6 +116,8 @@ def load_model(path: str | os.PathLike, *, device=None, place="card", reserve_by
     gf = GGUFFile(path)
     module = module_for_file(gf)  # clear error for architectures we do not implement
     cfg = module.Config.from_gguf(gf)
+    attention = resolve_kernel_choice("attention", attention, cfg, device)
+    routing = resolve_kernel_choice("routing", routing, cfg, device)
     if attention != "xla":
         if not hasattr(cfg, "attention"):
             raise ConfigError(f"attention={attention!r}: the {gf.architecture} model has only the xla attention")
@@ -156,7 +161,7 @@ def load_model(path: str | os.PathLike, *, device=None, place="card", reserve_by
         # Exactly the values the per-step dequantization forms (quant.dequantize is bit-exact).
         params = jax.jit(lambda ps: {k: q.dequantize() for k, q in ps.items()})(params)
     return Model(gguf=gf, cfg=cfg, params=params, module=module, placement=placement, kernels=kernels,
-                 bridge=bridge)
+                 bridge=bridge, attention=attention, routing=routing)
 
 
 def resolve_kernels(kernels: str, device=None) -> str:
@@ -167,6 +172,17 @@ def resolve_kernels(kernels: str, device=None) -> str:
         platform = (device or jax.devices()[0]).platform
         return "pallas" if platform in ("gpu", "cuda") else "reference"
     return kernels
+
+
+def resolve_kernel_choice(field: str, choice: str, cfg, device=None) -> str:
+    """An attention or routing setting (``field``) for a model of config ``cfg``: itself, or for
+    "auto" pallas on a GPU where the architecture has the field (qwen3moe), else xla. (The
+    side-by-side runs on the H200 took pallas for both: fewer launches, and attention that
+    reads only the visible positions.)"""
+    if choice != "auto":
+        return choice
+    on_gpu = (device or jax.devices()[0]).platform in ("gpu", "cuda")
+    return "pallas" if on_gpu and hasattr(cfg, field) else "xla"
 
 
 def resolve_bridge(bridge: str, device=None) -> str:
