@@ -18,8 +18,9 @@ shares of the *visible* prefix of cache row ``rows[b]`` (each share a whole numb
 per head a running max, a running sum of exponentials and a weighted sum of values (online
 softmax); slots past ``visible`` or past S are masked. Sharing out the visible prefix, not the
 cache's S slots, keeps every program busy at any length: with shares of S, a 640-token context
-in a 4,096-slot cache gave two of eight splits all the work, 8 blocks one after another each. P = 1 is the default: with P = G each program ran the G heads'
-score, softmax and value sums one after another, and on the H200 a step of one sequence was
+in a 4,096-slot cache gave two of eight splits all the work, 8 blocks one after another each.
+P = 1 is the default: with P = G each program ran the G heads' score, softmax and value sums
+one after another, and on the H200 a step of one sequence was
 B x Hkv = 4 programs taking ~34 us a layer (benchmarks/gpu_2026-12-04-s9, trace-call2), against
 ~7 us for XLA's attention. Programs of one head read their kv head G times over, from L2 while
 the G programs of a head run together. The partial results of
