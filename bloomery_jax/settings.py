@@ -8,6 +8,7 @@ read inside a jitted function.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from typing import Sequence
 
@@ -77,6 +78,8 @@ def load_settings(config_files: Sequence[str] = (), bindings: Sequence[str] = ()
         # `include 'base.gin'` resolves next to the including file, then in configs/.
         gin.add_config_file_search_path(os.path.dirname(os.path.abspath(path)))
     gin.add_config_file_search_path(CONFIG_DIR)
+    root = logging.getLogger()
+    root.addFilter(_quiet_include_probe)
     try:
         gin.parse_config_files_and_bindings(list(config_files), list(bindings), skip_unknown=False)
         return RuntimeSettings()
@@ -85,4 +88,12 @@ def load_settings(config_files: Sequence[str] = (), bindings: Sequence[str] = ()
     except Exception as e:  # gin raises ValueError, SyntaxError, KeyError …
         raise ConfigError(f"bad gin config: {type(e).__name__}: {e}".splitlines()[0]) from None
     finally:
+        root.removeFilter(_quiet_include_probe)
         gin.clear_config()
+
+
+def _quiet_include_probe(record: logging.LogRecord) -> bool:
+    """Drop gin's "Path not found: base.gin" error line: gin logs it when an include is not
+    relative to the working directory, before it finds the file on the search paths (a missing
+    include still raises, and load_settings turns that into a ConfigError)."""
+    return not record.getMessage().startswith("Path not found:")
