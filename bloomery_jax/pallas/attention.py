@@ -41,7 +41,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 F32 = jnp.float32
-__all__ = ["decode_attention", "cache_decode_attention"]
+__all__ = ["cache_decode_attention", "cache_rows", "decode_attention"]
 
 
 def _kernel(vis_ref, row_ref, q_ref, k_ref, v_ref, m_ref, l_ref, o_ref, *, groups: int, group_size: int,
@@ -158,6 +158,15 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Arra
     return jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 0.0)
 
 
+def cache_rows(k: jax.Array, v: jax.Array, layer: int, start, batch: int):
+    """A whole cache buffer ``[L, N, S, Hkv, Dh]`` as the kernels' rows ``[L * N, S, Hkv, Dh]``
+    (merged leading axes: a view, not a copy) and the rows of ``batch`` sequences in slots
+    ``start..`` of ``layer``: ``(k rows, v rows, int32 [batch])``."""
+    L, N, S, Hkv, Dh = k.shape
+    rows = layer * N + jnp.asarray(start, jnp.int32) + jnp.arange(batch, dtype=jnp.int32)
+    return k.reshape(L * N, S, Hkv, Dh), v.reshape(L * N, S, Hkv, Dh), rows
+
+
 def cache_decode_attention(k: jax.Array, v: jax.Array, layer: int, start, q: jax.Array, positions: jax.Array,
                            lengths: jax.Array, scale: float, *, interpret: bool = False) -> jax.Array:
     """:func:`decode_attention` of a step's B queries over a whole cache buffer, nothing sliced out.
@@ -176,9 +185,7 @@ def cache_decode_attention(k: jax.Array, v: jax.Array, layer: int, start, q: jax
     if k.size >= 2 ** 31:  # the kernel's offsets are int32
         raise ValueError(f"cache_decode_attention: a cache of {k.size} elements a buffer is over the kernel's "
                          f"2^31 (L {L} x slots {N} x positions {S} x {Hkv} x {Dh}); use attention='xla'")
-    B = q.shape[0]
-    rows = layer * N + jnp.asarray(start, jnp.int32) + jnp.arange(B, dtype=jnp.int32)
+    k_rows, v_rows, rows = cache_rows(k, v, layer, start, q.shape[0])
     valid = (positions >= 0) & (positions < S)
     visible = jnp.where(valid, jnp.minimum(positions + 1, lengths), 0).astype(jnp.int32)
-    flat = lambda a: a.reshape(L * N, S, Hkv, Dh)  # merges the leading axes: a view, not a copy  # noqa: E731
-    return decode_attention(q, flat(k), flat(v), visible, scale, rows, interpret=interpret)
+    return decode_attention(q, k_rows, v_rows, visible, scale, rows, interpret=interpret)

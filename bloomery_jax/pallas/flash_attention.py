@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from .attention import cache_rows
 from .moe_gemm import _ALGORITHMS
 
 F32 = jnp.float32
@@ -140,8 +141,5 @@ def cache_prefill_attention(k: jax.Array, v: jax.Array, layer: int, start, q: ja
     Returns:
       float32 ``[B, T, Hq, Dh]``.
     """
-    L, N, S, Hkv, Dh = k.shape
-    B = q.shape[0]
-    rows = layer * N + jnp.asarray(start, jnp.int32) + jnp.arange(B, dtype=jnp.int32)
-    flat = lambda a: a.reshape(L * N, S, Hkv, Dh)  # merges the leading axes: a view, not a copy  # noqa: E731
-    return prefill_attention(q, flat(k), flat(v), positions, lengths, scale, rows, interpret=interpret)
+    k_rows, v_rows, rows = cache_rows(k, v, layer, start, q.shape[0])
+    return prefill_attention(q, k_rows, v_rows, positions, lengths, scale, rows, interpret=interpret)
