@@ -187,7 +187,8 @@ def bench(args, name: str, extra: list[str], parallel: str = "1,2") -> None:
     log(" ".join(cmd))
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=args.variant_timeout)
+        env = dict(os.environ, **({"BLOOMERY_FFI_SIGNAL": args.signal} if args.signal else {}))
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=args.variant_timeout, env=env)
         rc, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
     except subprocess.TimeoutExpired as e:  # keep what it printed: load and compile times
         rc, stdout, stderr = "timeout", _text(e.stdout), _text(e.stderr)
@@ -195,6 +196,7 @@ def bench(args, name: str, extra: list[str], parallel: str = "1,2") -> None:
     tag = (args.kernels + ("" if args.attention == "xla" else f"-attn-{args.attention}")
            + ("" if args.routing == "xla" else f"-route-{args.routing}")
            + ("" if args.bridge == "callback" else f"-bridge-{args.bridge}")
+           + (f"-{args.signal}" if args.signal else "")
            + ("" if args.decode_block == 1 else f"-block{args.decode_block}"))
     write_json(args.out, f"bench-{name}-{tag}.json", dict(command=" ".join(cmd), rc=rc, records=records,
                                                     stderr=stderr[-3000:], seconds=time.perf_counter() - t0))
@@ -303,6 +305,8 @@ def main(argv=None) -> int:
     p.add_argument("--attention", default="xla", choices=("xla", "pallas"), help="bench --attention (default xla)")
     p.add_argument("--routing", default="xla", choices=("xla", "pallas"), help="bench --routing (default xla)")
     p.add_argument("--bridge", default="callback", choices=("callback", "ffi"), help="bench --bridge (default callback)")
+    p.add_argument("--signal", default=None, choices=("hostfunc", "doorbell"),
+                   help="the FFI bridge's signal for bench (BLOOMERY_FFI_SIGNAL; default: bench's own)")
     p.add_argument("--decode-block", type=int, default=1, help="bench --decode-block (default 1)")
     p.add_argument("--parallel", default=None, help="bench --parallel for every variant (default: its own)")
     p.add_argument("--tiny", action="store_true", help="small models: check the flow on a CPU")

@@ -16,7 +16,7 @@
 #            buffer types WHILE and CONDITIONAL). In the tenth session's trace they stayed on the
 #            host (the loop's body holds the cub sorts of the sampler and the top-n logprobs)
 #
-#   run: bash scripts/graph_trace_probe.sh   (carry .whl and, to build llama.cpp, .baseline;
+#   run: [VARIANTS="graph block8"] bash scripts/graph_trace_probe.sh   (carry .whl and, to build llama.cpp, .baseline;
 #        BUILD=0 skips the build and the 48-layer file; writes under $OUT). The build and the
 #        48-layer file go on after the call returns; the next call starts with
 #        scripts/await_builds.sh.
@@ -43,7 +43,7 @@ declare -A FLAGS=(
   [block8]="--xla_enable_command_buffers_during_profiling=true"
   [block8_dev]="--xla_enable_command_buffers_during_profiling=true --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
 )
-for v in graph block8 block8_dev dump opbyop; do
+for v in ${VARIANTS:-graph block8 block8_dev dump opbyop}; do
   [ $SECONDS -gt 450 ] && { echo "$v: skipped, the call's time is nearly spent"; continue; }
   trace=""; [ $v = dump ] && trace="--no-trace"
   [[ $v == block8* ]] && trace="--decode-block 8"

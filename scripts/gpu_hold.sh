@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# One hold of the GPU machine as three back-to-back calls (each under 10 minutes; the machine
+# stays warm only ~30 s between calls, so /tmp keeps the builds and the files only if the next
+# call follows at once). Each call packs what it wrote into $OUT/<call>.tgz (a call returns 8
+# files at most). Every call: carry .whl (and .baseline for `trace`, which builds llama.cpp).
+#
+#   trace   llama.cpp builds and the 48-layer file is written in the background (cores 0-12)
+#           while the 8-layer decode step is traced on cores 13-15 (graph_trace_probe.sh:
+#           single steps and blocks of 8), and decode attention at 640 visible of 4096 slots
+#   side    llama-bench all on the card and -ncmoe 36, our card bench (block 8), our
+#           n-cpu-moe=36 bench over the FFI bridge with each signal (hostfunc, doorbell), ratios
+#   hybrid  host kernel layouts and the three bridges (gpu_session.py host), llama-bench -ncmoe 36,
+#           quarter budget static and lfu-stream over the FFI bridge with $SIGNAL (default
+#           doorbell), ratios; then, if time is left, the quarter-static decode profile (8 layers)
+#
+#   run: bash scripts/gpu_hold.sh trace|side|hybrid
+set -u
+call=$1
+OUT=${OUT:-/tmp/gpu_hold_out}
+RES=/tmp/gpu_hold_$call
+mkdir -p "$OUT" "$RES"
+K="--kernels pallas --attention pallas --routing pallas"
+B="python3 scripts/gpu_session.py --out $RES --reps 3 --parallel 1 $K --decode-block 8 --variant-timeout 220"
+M8=/tmp/bloomery/qwen3-30b-a3b-shape-8l-q4km.gguf
+case $call in
+trace)
+  VARIANTS="graph block8 block8_dev" OUT=$RES bash scripts/graph_trace_probe.sh
+  taskset -c 13-15 timeout 120 python3 scripts/attention_bench.py --lengths 4096 --visible 640 --batch 1 \
+    --splits 0,4,16 --heads-per-program 8 > "$RES/attention_bench.txt" 2>&1
+  echo "attention_bench: rc $?"; tail -8 "$RES/attention_bench.txt"
+  ;;
+side)
+  bash scripts/await_builds.sh 240 || exit 1
+  python3 scripts/gpu_session.py --out $RES llamacpp --only card,ncmoe36
+  $B bench --only card
+  $B --bridge ffi --signal hostfunc bench --only ncmoe36
+  $B --bridge ffi --signal doorbell bench --only ncmoe36
+  python3 scripts/gpu_session.py --out $RES compare
+  ;;
+hybrid)
+  timeout 200 python3 scripts/gpu_session.py --out $RES host
+  python3 scripts/gpu_session.py --out $RES llamacpp --only ncmoe36
+  $B --bridge ffi --signal "${SIGNAL:-doorbell}" bench --only quarter-static,quarter-lfu-stream
+  python3 scripts/gpu_session.py --out $RES compare
+  if [ $SECONDS -lt 420 ]; then
+    BLOOMERY_FFI_SIGNAL=${SIGNAL:-doorbell} timeout 150 python3 scripts/profile_decode.py --model $M8 $K \
+      --place card-experts=32 --bridge ffi --decode-block 8 --steps 16 --out /tmp/qprof > "$RES/qprof.log" 2>&1
+    echo "quarter profile: rc $?"; cp /tmp/qprof/profile.json "$RES/profile-quarter-static.json" 2>/dev/null
+  fi
+  ;;
+*) echo "unknown call $call"; exit 2 ;;
+esac
+tar czf "$OUT/$call.tgz" -C "$RES" .
+echo "$call: end at ${SECONDS}s"
