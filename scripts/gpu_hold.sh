@@ -24,7 +24,7 @@ B="python3 scripts/gpu_session.py --out $RES --reps 3 --parallel 1 $K --decode-b
 M8=/tmp/bloomery/qwen3-30b-a3b-shape-8l-q4km.gguf
 case $call in
 trace)
-  VARIANTS="graph block8 block8_dev" OUT=$RES bash scripts/graph_trace_probe.sh
+  VARIANTS="${VARIANTS:-graph block8 block8_dev}" OUT=$RES bash scripts/graph_trace_probe.sh
   taskset -c 13-15 timeout 120 python3 scripts/attention_bench.py --lengths 4096 --visible 640 --batch 1 \
     --splits 0,4,16 --heads-per-program 8 > "$RES/attention_bench.txt" 2>&1
   echo "attention_bench: rc $?"; tail -8 "$RES/attention_bench.txt"
