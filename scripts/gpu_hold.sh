@@ -25,9 +25,9 @@ M8=/tmp/bloomery/qwen3-30b-a3b-shape-8l-q4km.gguf
 case $call in
 trace)
   VARIANTS="${VARIANTS:-graph block8 block8_dev}" OUT=$RES bash scripts/graph_trace_probe.sh
-  taskset -c 13-15 timeout 120 python3 scripts/attention_bench.py --lengths 4096 --visible 640 --batch 1 \
+  [ "${ATTN:-1}" = 1 ] && taskset -c 13-15 timeout 120 python3 scripts/attention_bench.py --lengths 4096 --visible 640 --batch 1 \
     --splits 0,4,16 --heads-per-program 8 > "$RES/attention_bench.txt" 2>&1
-  echo "attention_bench: rc $?"; tail -8 "$RES/attention_bench.txt"
+  tail -8 "$RES/attention_bench.txt" 2>/dev/null
   ;;
 side)
   bash scripts/await_builds.sh 240 || exit 1
@@ -42,7 +42,7 @@ hybrid)
   python3 scripts/gpu_session.py --out $RES llamacpp --only ncmoe36
   $B --bridge ffi --signal "${SIGNAL:-doorbell}" bench --only quarter-static,quarter-lfu-stream
   python3 scripts/gpu_session.py --out $RES compare
-  if [ $SECONDS -lt 420 ]; then
+  if [ "${QPROF:-1}" = 1 ] && [ $SECONDS -lt 420 ]; then
     BLOOMERY_FFI_SIGNAL=${SIGNAL:-doorbell} timeout 150 python3 scripts/profile_decode.py --model $M8 $K \
       --place card-experts=32 --bridge ffi --decode-block 8 --steps 16 --out /tmp/qprof > "$RES/qprof.log" 2>&1
     echo "quarter profile: rc $?"; cp /tmp/qprof/profile.json "$RES/profile-quarter-static.json" 2>/dev/null

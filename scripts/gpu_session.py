@@ -231,7 +231,7 @@ def stage_host(args) -> None:
     # under each work-item layout (rows per item : software prefetch rows ahead)
     threads = str(max(1, (os.cpu_count() or 3) - 2))
     host = ["--weights", "q4_k_m", "--acts", "q8", "--tokens", "1,8", "--threads", threads,
-            "--layouts", "16:0,16:2,16:4,64:0,64:2"]
+            "--layouts", os.environ.get("HOST_LAYOUTS", "16:0,16:2,16:4,64:0,64:2")]
     if args.tiny:
         host += ["--reps", "3", "--d", "256", "--f", "256", "--experts", "16"]
     args.out.mkdir(parents=True, exist_ok=True)
