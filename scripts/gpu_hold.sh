@@ -13,7 +13,8 @@
 #           quarter budget static and lfu-stream over the FFI bridge with $SIGNAL (default
 #           doorbell), ratios; then, if time is left, the quarter-static decode profile (8 layers)
 #
-#   run: bash scripts/gpu_hold.sh trace|side|hybrid
+#   run: bash scripts/gpu_hold.sh trace|side|hybrid   (ATTN=0 skips the attention bench, QPROF=0
+#        the quarter profile; HOST_LAYOUTS narrows gpu_session's host sweep)
 set -u
 call=$1
 OUT=${OUT:-/tmp/gpu_hold_out}
