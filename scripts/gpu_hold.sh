@@ -6,7 +6,8 @@
 #
 #   trace   llama.cpp builds and the 48-layer file is written in the background (cores 0-12)
 #           while the 8-layer decode step is traced on cores 13-15 (graph_trace_probe.sh:
-#           single steps and blocks of 8), and decode attention at 640 visible of 4096 slots
+#           single steps and blocks of 8), decode attention at 640 visible of 4096 slots, and
+#           the sampler's cuts by sort and by search (scripts/sampler_bench.py)
 #   side    llama-bench all on the card and -ncmoe 36, our card bench (block 8), our
 #           n-cpu-moe=36 bench over the FFI bridge with each signal (hostfunc, doorbell), ratios
 #   hybrid  host kernel layouts and the three bridges (gpu_session.py host), llama-bench -ncmoe 36,
@@ -29,6 +30,7 @@ trace)
   [ "${ATTN:-1}" = 1 ] && taskset -c 13-15 timeout 120 python3 scripts/attention_bench.py --lengths 4096 --visible 640 --batch 1 \
     --splits 0,4,16 --heads-per-program 8 > "$RES/attention_bench.txt" 2>&1
   tail -8 "$RES/attention_bench.txt" 2>/dev/null
+  taskset -c 13-15 timeout 90 python3 scripts/sampler_bench.py --json "$RES/sampler.json" 2>&1 | tail -6
   ;;
 side)
   bash scripts/await_builds.sh 240 || exit 1

@@ -8,6 +8,8 @@ from the top-p and min-p boundaries (a margin of 1e-4, far above f32 cumsum erro
 
 from __future__ import annotations
 
+import zlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,7 +20,7 @@ from bloomery_jax.errors import ConfigError
 
 V = 64
 B = 8
-_probs = jax.jit(S.sampling_probs)
+_probs = jax.jit(S.sampling_probs, static_argnames="search")
 _processed = jax.jit(S.processed_logits)
 _sample = jax.jit(S.sample, static_argnames="n_top")
 
@@ -81,10 +83,10 @@ def random_cases(rng, make_params, n=B, margin=1e-4):
     return cases
 
 
-def check_probs(cases):
+def check_probs(cases, search):
     logits = jnp.asarray(np.stack([c[0] for c in cases]))
     rows = rows_of([c[1:] for c in cases])
-    got = np.asarray(_probs(logits, rows))
+    got = np.asarray(_probs(logits, rows, search=search))
     for b, (lg, p, pr, gen) in enumerate(cases):
         want, _ = ref_probs(lg, p, pr, gen)
         np.testing.assert_allclose(got[b], want, rtol=0, atol=2e-6, err_msg=f"row {b}: {p}")
@@ -114,10 +116,11 @@ RULES = {
 }
 
 
+@pytest.mark.parametrize("search", [False, True], ids=["sort", "search"])
 @pytest.mark.parametrize("rule", sorted(RULES))
-def test_rule_matches_reference(rule):
-    rng = np.random.default_rng(abs(hash(rule)) % 2**32)
-    check_probs(random_cases(rng, RULES[rule]))
+def test_rule_matches_reference(rule, search):
+    rng = np.random.default_rng(zlib.crc32(rule.encode()))
+    check_probs(random_cases(rng, RULES[rule]), search)
 
 
 def test_processed_logits_match_reference():
@@ -242,3 +245,52 @@ def test_top_k_tree_is_lax_top_k(rows, vocab, k, tile):
     np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))
     np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
     assert got_i.dtype == jnp.int32 and int(got_i[0, 0]) == vocab - 1
+
+
+_filtered = jax.jit(S.filtered_logits, static_argnames="search")
+
+
+def midway_top_p(x: np.ndarray, top_k: int, rng) -> float:
+    """A top-p halfway between two steps of the f64 mass before each rank of x (after top-k), so
+    that both f32 forms decide every token the same way."""
+    s = x[np.argsort(-x, kind="stable")].astype(np.float64)
+    e = np.exp(s - s[0])
+    if top_k > 0:
+        e[top_k:] = 0
+    steps = np.unique(np.cumsum(e / e.sum()))[:-1]
+    i = rng.integers(0, len(steps) - 1) if len(steps) > 1 else 0
+    return float((steps[i] + steps[i + 1]) / 2) if len(steps) > 1 else 1.0
+
+
+@pytest.mark.parametrize("vocab", [64, 151936])
+def test_search_keeps_the_sort_s_tokens_ties_included(vocab):
+    """The sort-free cuts keep exactly the sort's tokens: logits drawn from a few values, so
+    the cuts fall inside runs of equal logits, where the lower ids must be the ones kept."""
+    rng = np.random.default_rng(vocab)
+    n = 6
+    x = rng.integers(-4, 3, (n, vocab)).astype(np.float32) * 0.5
+    x[1, ::3] = -np.inf  # banned tokens (logit bias -inf)
+    x[2, 5] = -0.0  # ties +0.0
+    ks = [0, 1, 7, int(rng.integers(2, vocab)), vocab, vocab + 5]
+    cases = []
+    for b in range(n):
+        ps = S.SamplingParams(temperature=0.7, top_k=ks[b], top_p=midway_top_p(x[b], ks[b], rng) if b % 2 else 1.0,
+                              min_p=0.05 if b == 3 else 0.0)
+        cases.append((ps, (), ()))
+    rows = rows_of(cases)
+    got = np.isfinite(np.asarray(_filtered(jnp.asarray(x), rows, search=True)))
+    want = np.isfinite(np.asarray(_filtered(jnp.asarray(x), rows, search=False)))
+    for b in range(n):
+        assert np.array_equal(got[b], want[b]), (b, cases[b][0].top_k, cases[b][0].top_p, got[b].sum(), want[b].sum())
+    assert 0 < want[2].sum() < vocab and want[3].sum() < vocab  # the cuts did cut
+
+
+def test_search_draws_the_sort_s_tokens():
+    rng = np.random.default_rng(6)
+    cases = random_cases(rng, RULES["all"], n=B)
+    logits = jnp.asarray(np.stack([c[0] for c in cases]))
+    rows = rows_of([c[1:] for c in cases])
+    fn = jax.jit(S.sample_tokens, static_argnames=("branch_free", "search"))
+    for step in range(8):
+        r = rows._replace(step=rows.step + step)
+        assert np.array_equal(np.asarray(fn(logits, r, search=True)), np.asarray(fn(logits, r, search=False)))

@@ -146,8 +146,87 @@ def processed_logits(logits: jax.Array, rows: SamplerRows) -> jax.Array:
     return x - rows.presence[:, None] * (c > 0) - rows.frequency[:, None] * c
 
 
-def _filtered_sorted(x: jax.Array, rows: SamplerRows) -> tuple[jax.Array, jax.Array]:
-    """Rules 4-7 in descending order: (kept logits / T with -inf elsewhere [B, V], token id [B, V])."""
+def _rank_order_keys(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Two uint32 keys whose lexicographic order, larger first, is the rank order of ``x``:
+    descending value, equal values by ascending token id. x [B, V] f32 -> (hi, lo) [B, V] u32."""
+    x = jnp.where(x == 0, 0.0, x)  # -0.0 ties +0.0, as in a comparison sort
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    ordered = jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # int32 order == float order
+    hi = jax.lax.bitcast_convert_type(ordered, jnp.uint32) ^ jnp.uint32(0x80000000)  # -> unsigned order
+    V = x.shape[1]
+    lo = jnp.broadcast_to(jnp.uint32(V - 1) - jnp.arange(V, dtype=jnp.uint32), x.shape)  # lower id: larger
+    return hi, lo
+
+
+SEARCH_DIGIT_BITS = 4  # bits of a threshold fixed per pass of :func:`_first_below` (16 candidates)
+
+
+def _first_below(key: jax.Array, weight: jax.Array, target: jax.Array, bits: int,
+                 above: jax.Array | None = None) -> jax.Array:
+    """The least t in [0, 2^bits) with ``mass(t) < target``, where ``mass(t)`` is ``above`` (0
+    when None) plus the weight of the entries whose key is > t; 2^bits - 1 when there is none.
+
+    mass(t) falls as t grows, so t is found a digit at a time from the top: of the 16 blocks a
+    digit opens, the first whose largest t already satisfies it holds the answer. No sort: each
+    pass is one compare-and-sum over the row. key [B, V] u32 (< 2^bits), weight [B, V] (f32 or
+    i32, >= 0), target [B], above [B] or None -> [B] u32.
+    """
+    fanout = 1 << SEARCH_DIGIT_BITS
+    top = -(-bits // SEARCH_DIGIT_BITS) * SEARCH_DIGIT_BITS  # bits rounded up to whole digits
+    prefix = jnp.zeros(key.shape[:1], jnp.uint32)
+    digits = jnp.arange(fanout, dtype=jnp.uint32)
+    for shift in range(top - SEARCH_DIGIT_BITS, -1, -SEARCH_DIGIT_BITS):
+        low_ones = jnp.uint32((1 << shift) - 1)
+        # candidate c: the largest t of the block whose digit is c; [B, 16]
+        cand = prefix[:, None] | (digits[None, :] << shift) | low_ones
+        cand = jnp.minimum(cand, jnp.uint32((1 << bits) - 1))
+        mass = jnp.sum(jnp.where(key[:, :, None] > cand[:, None, :], weight[:, :, None], 0), axis=1)  # [B, 16]
+        if above is not None:
+            mass = mass + above[:, None]
+        ok = mass < target[:, None]
+        digit = jnp.where(ok.any(axis=1), jnp.argmax(ok, axis=1), fanout - 1).astype(jnp.uint32)
+        prefix = prefix | (digit << shift)
+    return jnp.minimum(prefix, jnp.uint32((1 << bits) - 1))
+
+
+def _rank_prefix(hi: jax.Array, lo: jax.Array, lo_bits: int, weight: jax.Array, target: jax.Array) -> jax.Array:
+    """Which entries have less than ``target`` of ``weight`` before them in rank order (the
+    order of the keys (hi, lo), larger first): a prefix of that order, found without sorting.
+    [B, V] keys, weight [B, V], target [B] -> bool [B, V]."""
+    t_hi = _first_below(hi, weight, target, 32)
+    on_hi = hi == t_hi[:, None]
+    above = jnp.sum(jnp.where(hi > t_hi[:, None], weight, 0), axis=1)
+    t_lo = _first_below(jnp.where(on_hi, lo, 0), jnp.where(on_hi, weight, 0), target, lo_bits, above)
+    return (hi > t_hi[:, None]) | (on_hi & (lo >= t_lo[:, None]))
+
+
+def _keep_searched(x: jax.Array, rows: SamplerRows) -> jax.Array:
+    """Rules 4-6 without a sort: the kept tokens, bool [B, V] in vocabulary order.
+
+    Top-k keeps the entries with fewer than k entries before them in rank order; top-p those
+    with less than p of the renormalised mass before them: both a prefix of the rank order,
+    whose end :func:`_rank_prefix` finds by searching the keys' bits. On a GPU this keeps the
+    decode step free of the cub sort, a custom call that no CUDA graph can hold (so a decode
+    block's loop could not become a graph node)."""
+    B, V = x.shape
+    hi, lo = _rank_order_keys(x)
+    lo_bits = max(1, (V - 1).bit_length())
+    first = jnp.argmax(x, axis=1)  # rank 0: the largest, the lowest id among ties
+    is_first = jnp.arange(V)[None, :] == first[:, None]
+    top = jnp.take_along_axis(x, first[:, None], axis=1)  # [B, 1]
+    k = rows.top_k
+    keep = (k[:, None] <= 0) | _rank_prefix(hi, lo, lo_bits, jnp.ones((B, V), jnp.int32), k)
+    e = jnp.where(keep, jnp.exp(x - top), 0.0)
+    p = e / jnp.sum(e, axis=1, keepdims=True)
+    top_p = rows.top_p
+    # p >= 1 is off outright: the f32 sum can reach 1 before the last tokens.
+    keep &= (top_p[:, None] >= 1.0) | _rank_prefix(hi, lo, lo_bits, p, top_p) | is_first
+    log_min_p = jnp.log(rows.min_p)[:, None]  # -inf when min_p == 0: keeps all
+    return keep & ((x - top >= log_min_p) | is_first)
+
+
+def _keep_sorted(x: jax.Array, rows: SamplerRows) -> jax.Array:
+    """Rules 4-6 by a sort of each row: the kept tokens, bool [B, V] in vocabulary order."""
     B, V = x.shape
     ids = jnp.broadcast_to(jnp.arange(V, dtype=jnp.int32), (B, V))
     # Stable ascending sort of -x: descending logits, equal logits by ascending token id.
@@ -165,8 +244,24 @@ def _filtered_sorted(x: jax.Array, rows: SamplerRows) -> tuple[jax.Array, jax.Ar
     keep &= (top_p >= 1.0) | (before < top_p) | (rank == 0)
     log_min_p = jnp.log(rows.min_p)[:, None]  # -inf when min_p == 0: keeps all
     keep &= (s - top >= log_min_p) | (rank == 0)
+    return jnp.zeros_like(keep).at[jnp.arange(B)[:, None], perm].set(keep)
+
+
+# Platforms whose sampler finds the top-k and top-p cuts by searching (:func:`_keep_searched`)
+# instead of sorting. On a CPU a sort of the row is cheaper than the search's 26 passes.
+SEARCH_PLATFORMS = ("gpu",)
+
+
+def filtered_logits(x: jax.Array, rows: SamplerRows, search: bool | None = None) -> jax.Array:
+    """Rules 4-7: the processed logits of the kept tokens over the temperature, -inf elsewhere,
+    [B, V] in vocabulary order. ``search``: find the cuts without a sort (None: on the platforms
+    of :data:`SEARCH_PLATFORMS`); the kept tokens are the same either way, except for a token
+    whose top-p decision lies within f32 rounding of the boundary (the sums run in other orders)."""
+    if search is None:
+        search = jax.default_backend() in SEARCH_PLATFORMS
+    keep = (_keep_searched if search else _keep_sorted)(x, rows)
     t = jnp.where(rows.temperature > 0, rows.temperature, 1.0)[:, None]
-    return jnp.where(keep, s / t, -jnp.inf), perm
+    return jnp.where(keep, x / t, -jnp.inf)
 
 
 def _row_keys(rows: SamplerRows) -> jax.Array:
@@ -186,19 +281,20 @@ def _row_keys(rows: SamplerRows) -> jax.Array:
 BRANCH_FREE_PLATFORMS = ("gpu",)
 
 
-def sample_tokens(logits: jax.Array, rows: SamplerRows, branch_free: bool | None = None) -> jax.Array:
+def sample_tokens(logits: jax.Array, rows: SamplerRows, branch_free: bool | None = None,
+                  search: bool | None = None) -> jax.Array:
     """The chosen token of each row. logits [B, V] → [B] i32.
 
     ``branch_free``: compute the draw even for an all-greedy batch (None: on the platforms of
-    :data:`BRANCH_FREE_PLATFORMS`). The tokens are the same either way."""
+    :data:`BRANCH_FREE_PLATFORMS`). ``search``: as :func:`filtered_logits`. The tokens are the
+    same either way: the Gumbel noise is indexed by token id."""
     x = processed_logits(logits, rows)
     greedy = jnp.argmax(x, axis=1).astype(jnp.int32)
 
     def draw(_):
-        z, perm = _filtered_sorted(x, rows)
+        z = filtered_logits(x, rows, search)
         g = jax.vmap(lambda key: jax.random.gumbel(key, (x.shape[1],), jnp.float32))(_row_keys(rows))
-        pick = jnp.argmax(z + g, axis=1)  # [B] rank in descending order
-        drawn = jnp.take_along_axis(perm, pick[:, None], axis=1)[:, 0]
+        drawn = jnp.argmax(z + g, axis=1).astype(jnp.int32)
         return jnp.where(rows.temperature > 0, drawn, greedy)
 
     if branch_free is None:
@@ -288,15 +384,12 @@ def set_row(rows: SamplerRows, slot, row: SamplerRows) -> SamplerRows:
     return SamplerRows(*(x.at[slot].set(y) for x, y in zip(rows, row)))
 
 
-def sampling_probs(logits: jax.Array, rows: SamplerRows) -> jax.Array:
+def sampling_probs(logits: jax.Array, rows: SamplerRows, search: bool | None = None) -> jax.Array:
     """The distribution :func:`sample_tokens` draws from, in vocabulary order: [B, V] f32.
 
     Greedy rows are one-hot. Used by the tests; the step itself never forms it.
     """
     x = processed_logits(logits, rows)
-    z, perm = _filtered_sorted(x, rows)
-    p_sorted = jax.nn.softmax(z, axis=1)
-    B = x.shape[0]
-    probs = jnp.zeros_like(p_sorted).at[jnp.arange(B)[:, None], perm].set(p_sorted)
+    probs = jax.nn.softmax(filtered_logits(x, rows, search), axis=1)
     onehot = jax.nn.one_hot(jnp.argmax(x, axis=1), x.shape[1], dtype=jnp.float32)
     return jnp.where((rows.temperature > 0)[:, None], probs, onehot)
