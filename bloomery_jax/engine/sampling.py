@@ -180,7 +180,8 @@ def _first_below(key: jax.Array, weight: jax.Array, target: jax.Array, bits: int
         # candidate c: the largest t of the block whose digit is c; [B, 16]
         cand = prefix[:, None] | (digits[None, :] << shift) | low_ones
         cand = jnp.minimum(cand, jnp.uint32((1 << bits) - 1))
-        mass = jnp.sum(jnp.where(key[:, :, None] > cand[:, None, :], weight[:, :, None], 0), axis=1)  # [B, 16]
+        # [B, 16, V] summed along V: a row reduction, XLA's fastest kind on a GPU
+        mass = jnp.sum(jnp.where(key[:, None, :] > cand[:, :, None], weight[:, None, :], 0), axis=2)  # [B, 16]
         if above is not None:
             mass = mass + above[:, None]
         ok = mass < target[:, None]
