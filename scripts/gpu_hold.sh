@@ -12,7 +12,8 @@
 #           n-cpu-moe=36 bench over the FFI bridge with each signal (hostfunc, doorbell), ratios
 #   hybrid  host kernel layouts and the three bridges (gpu_session.py host), llama-bench -ncmoe 36,
 #           quarter budget static and lfu-stream over the FFI bridge with $SIGNAL (default
-#           doorbell), ratios; then, if time is left, the quarter-static decode profile (8 layers)
+#           doorbell), ratios; the card bench with the sampler's cuts by sort (sort/); then, if
+#           time is left, the quarter-static decode profile (8 layers)
 #
 #   run: bash scripts/gpu_hold.sh trace|side|hybrid   (ATTN=0 skips the attention bench, QPROF=0
 #        the quarter profile; HOST_LAYOUTS narrows gpu_session's host sweep)
@@ -45,6 +46,8 @@ hybrid)
   python3 scripts/gpu_session.py --out $RES llamacpp --only ncmoe36
   $B --bridge ffi --signal "${SIGNAL:-doorbell}" bench --only quarter-static,quarter-lfu-stream
   python3 scripts/gpu_session.py --out $RES compare
+  # the card decode with the sampler's cuts by sort, against the side call's (by search)
+  mkdir -p $RES/sort && BLOOMERY_SAMPLER_CUTS=sort ${B/--out $RES/--out $RES/sort} bench --only card
   if [ "${QPROF:-1}" = 1 ] && [ $SECONDS -lt 420 ]; then
     BLOOMERY_FFI_SIGNAL=${SIGNAL:-doorbell} timeout 150 python3 scripts/profile_decode.py --model $M8 $K \
       --place card-experts=32 --bridge ffi --decode-block 8 --steps 16 --out /tmp/qprof > "$RES/qprof.log" 2>&1

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Mapping, NamedTuple, Sequence
 
 import jax
@@ -258,8 +259,9 @@ def filtered_logits(x: jax.Array, rows: SamplerRows, search: bool | None = None)
     [B, V] in vocabulary order. ``search``: find the cuts without a sort (None: on the platforms
     of :data:`SEARCH_PLATFORMS`); the kept tokens are the same either way, except for a token
     whose top-p decision lies within f32 rounding of the boundary (the sums run in other orders)."""
-    if search is None:
-        search = jax.default_backend() in SEARCH_PLATFORMS
+    if search is None:  # $BLOOMERY_SAMPLER_CUTS (sort | search) overrides the platform's choice
+        cuts = os.environ.get("BLOOMERY_SAMPLER_CUTS", "")
+        search = cuts == "search" if cuts else jax.default_backend() in SEARCH_PLATFORMS
     keep = (_keep_searched if search else _keep_sorted)(x, rows)
     t = jnp.where(rows.temperature > 0, rows.temperature, 1.0)[:, None]
     return jnp.where(keep, x / t, -jnp.inf)
