@@ -278,9 +278,9 @@ def _row_keys(rows: SamplerRows) -> jax.Array:
 # On a GPU, XLA reads a conditional's predicate back to the host: the host stops launching until
 # the device has run the whole step up to the sampler, so it cannot launch ahead (the H200 trace of
 # an 8-layer decode block: the branch held the host 0.84 ms of each 1.7 ms step, and the next
-# step's graph launch, ~0.5 ms of host time, then ran with the card idle). The draw's sort costs
-# the card tens of microseconds. On a CPU the branch is cheap and the sort is not (Gemma's 262k
-# vocabulary), so it stays.
+# step's graph launch, ~0.5 ms of host time, then ran with the card idle). The draw costs
+# the card tens of microseconds. On a CPU the branch is cheap and the draw's sort is not (Gemma's
+# 262k vocabulary), so it stays.
 BRANCH_FREE_PLATFORMS = ("gpu",)
 
 
