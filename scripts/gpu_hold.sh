@@ -12,11 +12,12 @@
 #           n-cpu-moe=36 bench over the FFI bridge with each signal (hostfunc, doorbell), ratios
 #   hybrid  host kernel layouts and the three bridges (gpu_session.py host), llama-bench -ncmoe 36,
 #           quarter budget static and lfu-stream over the FFI bridge with $SIGNAL (default
-#           doorbell), ratios; the card bench with the sampler's cuts by sort (sort/); then, if
-#           time is left, the quarter-static decode profile (8 layers)
+#           doorbell), ratios; the card bench with the sampler's cuts by sort (sort/) and with
+#           WHILE and CONDITIONAL command buffers (while/); with QPROF=1 and time left, the
+#           quarter-static decode profile (8 layers)
 #
-#   run: bash scripts/gpu_hold.sh trace|side|hybrid   (ATTN=0 skips the attention bench, QPROF=0
-#        the quarter profile; HOST_LAYOUTS narrows gpu_session's host sweep)
+#   run: bash scripts/gpu_hold.sh trace|side|hybrid   (ATTN=0 skips the attention bench, QPROF=1
+#        adds the quarter profile; HOST_LAYOUTS narrows gpu_session's host sweep)
 set -u
 call=$1
 OUT=${OUT:-/tmp/gpu_hold_out}
@@ -48,7 +49,10 @@ hybrid)
   python3 scripts/gpu_session.py --out $RES compare
   # the card decode with the sampler's cuts by sort, against the side call's (by search)
   mkdir -p $RES/sort && BLOOMERY_SAMPLER_CUTS=sort ${B/--out $RES/--out $RES/sort} bench --only card
-  if [ "${QPROF:-1}" = 1 ] && [ $SECONDS -lt 420 ]; then
+  # and with a block's loop and conditionals allowed as CUDA graph nodes
+  mkdir -p $RES/while && XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL \
+    ${B/--out $RES/--out $RES/while} bench --only card
+  if [ "${QPROF:-0}" = 1 ] && [ $SECONDS -lt 420 ]; then
     BLOOMERY_FFI_SIGNAL=${SIGNAL:-doorbell} timeout 150 python3 scripts/profile_decode.py --model $M8 $K \
       --place card-experts=32 --bridge ffi --decode-block 8 --steps 16 --out /tmp/qprof > "$RES/qprof.log" 2>&1
     echo "quarter profile: rc $?"; cp /tmp/qprof/profile.json "$RES/profile-quarter-static.json" 2>/dev/null
