@@ -250,7 +250,7 @@ def _keep_sorted(x: jax.Array, rows: SamplerRows) -> jax.Array:
 
 
 # Platforms whose sampler finds the top-k and top-p cuts by searching (:func:`_keep_searched`)
-# instead of sorting. On a CPU a sort of the row is cheaper than the search's 26 passes.
+# instead of sorting. On a CPU a sort of the row is cheaper than the search's 28 reductions.
 SEARCH_PLATFORMS = ("gpu",)
 
 
