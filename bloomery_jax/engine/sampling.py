@@ -202,29 +202,36 @@ def _rank_prefix(hi: jax.Array, lo: jax.Array, lo_bits: int, weight: jax.Array, 
     return (hi > t_hi[:, None]) | (on_hi & (lo >= t_lo[:, None]))
 
 
-def _keep_searched(x: jax.Array, rows: SamplerRows) -> jax.Array:
-    """Rules 4-6 without a sort: the kept tokens, bool [B, V] in vocabulary order.
+def _keep(x: jax.Array, rows: SamplerRows, is_first: jax.Array, below) -> jax.Array:
+    """Rules 4-6 on logits ``x`` [B, V] in either order: bool [B, V], the kept tokens in x's order.
 
-    Top-k keeps the entries with fewer than k entries before them in rank order; top-p those
-    with less than p of the renormalised mass before them: both a prefix of the rank order,
-    whose end :func:`_rank_prefix` finds by searching the keys' bits. On a GPU this keeps the
-    decode step free of the cub sort, a custom call that no CUDA graph can hold (so a decode
-    block's loop could not become a graph node)."""
-    B, V = x.shape
-    hi, lo = _rank_order_keys(x)
-    lo_bits = max(1, (V - 1).bit_length())
-    first = jnp.argmax(x, axis=1)  # rank 0: the largest, the lowest id among ties
-    is_first = jnp.arange(V)[None, :] == first[:, None]
-    top = jnp.take_along_axis(x, first[:, None], axis=1)  # [B, 1]
+    ``is_first`` marks rank 0 (always kept); ``below(weight, target)`` says which entries have
+    less than ``target`` [B] of ``weight`` [B, V] before them in rank order. Top-k keeps the
+    entries with fewer than k entries before them, top-p those with less than p of the
+    renormalised mass before them."""
+    top = jnp.max(x, axis=1, keepdims=True)  # [B, 1]
     k = rows.top_k
-    keep = (k[:, None] <= 0) | _rank_prefix(hi, lo, lo_bits, jnp.ones((B, V), jnp.int32), k)
+    keep = (k[:, None] <= 0) | below(jnp.ones(x.shape, jnp.int32), k)
     e = jnp.where(keep, jnp.exp(x - top), 0.0)
     p = e / jnp.sum(e, axis=1, keepdims=True)
     top_p = rows.top_p
-    # p >= 1 is off outright: the f32 sum can reach 1 before the last tokens.
-    keep &= (top_p[:, None] >= 1.0) | _rank_prefix(hi, lo, lo_bits, p, top_p) | is_first
+    # p >= 1 is off outright: the f32 running sum can reach 1 before the last tokens.
+    keep &= (top_p[:, None] >= 1.0) | below(p, top_p) | is_first
     log_min_p = jnp.log(rows.min_p)[:, None]  # -inf when min_p == 0: keeps all
     return keep & ((x - top >= log_min_p) | is_first)
+
+
+def _keep_searched(x: jax.Array, rows: SamplerRows) -> jax.Array:
+    """Rules 4-6 without a sort: the kept tokens, bool [B, V] in vocabulary order.
+
+    Both cuts are a prefix of the rank order, whose end :func:`_rank_prefix` finds by searching
+    the keys' bits. On a GPU this keeps the decode step free of the cub sort, a custom call that
+    no CUDA graph can hold (so a decode block's loop could not become a graph node)."""
+    V = x.shape[1]
+    hi, lo = _rank_order_keys(x)
+    lo_bits = max(1, (V - 1).bit_length())
+    is_first = jnp.arange(V)[None, :] == jnp.argmax(x, axis=1)[:, None]  # the lowest id among ties
+    return _keep(x, rows, is_first, lambda w, t: _rank_prefix(hi, lo, lo_bits, w, t))
 
 
 def _keep_sorted(x: jax.Array, rows: SamplerRows) -> jax.Array:
@@ -233,19 +240,8 @@ def _keep_sorted(x: jax.Array, rows: SamplerRows) -> jax.Array:
     ids = jnp.broadcast_to(jnp.arange(V, dtype=jnp.int32), (B, V))
     # Stable ascending sort of -x: descending logits, equal logits by ascending token id.
     neg, perm = jax.lax.sort((-x, ids), dimension=1, num_keys=1, is_stable=True)
-    s = -neg  # [B, V] descending
-    rank = ids  # 0..V-1 in every row
-    top = s[:, :1]  # [B, 1]
-    k = rows.top_k[:, None]
-    keep = (k <= 0) | (rank < k)
-    e = jnp.where(keep, jnp.exp(s - top), 0.0)
-    p = e / jnp.sum(e, axis=1, keepdims=True)
-    before = jnp.cumsum(p, axis=1) - p  # mass strictly above each rank
-    top_p = rows.top_p[:, None]
-    # p >= 1 is off outright: the f32 running sum can reach 1 before the last tokens.
-    keep &= (top_p >= 1.0) | (before < top_p) | (rank == 0)
-    log_min_p = jnp.log(rows.min_p)[:, None]  # -inf when min_p == 0: keeps all
-    keep &= (s - top >= log_min_p) | (rank == 0)
+    # in rank order, what is before an entry is a running sum (of ones: its rank)
+    keep = _keep(-neg, rows, ids == 0, lambda w, t: jnp.cumsum(w, axis=1) - w < t[:, None])
     return jnp.zeros_like(keep).at[jnp.arange(B)[:, None], perm].set(keep)
 
 
