@@ -199,8 +199,10 @@ def run(argv: list[str] | None = None, out=None, err=None) -> list[dict]:
     witness = source_witness()
     size = sum(int(t.data.nbytes) for t in model.gguf.tensors.values())
     kernels, bridge = model.kernels, model.bridge
-    # the FFI bridge's signal on a GPU (ffi.resolve_signal), None without host experts or ffi
-    signal = getattr(getattr(model.placement, "host", None), "signal", None)
+    # the FFI bridge's signal on a GPU (ffi.resolve_signal), None without host experts or ffi;
+    # the host experts' memory pages (host.memory), None without host experts
+    host = getattr(model.placement, "host", None)
+    signal, pages = getattr(host, "signal", None), getattr(host, "pages", None)
     rng = np.random.default_rng(args.seed)
     records = []
     for parallel in args.parallel:
@@ -208,7 +210,7 @@ def run(argv: list[str] | None = None, out=None, err=None) -> list[dict]:
         for r in recs:
             r.update(model=str(model.path), architecture=model.gguf.architecture, model_bytes=size,
                      ubatch=args.ubatch, kv_dtype=args.kv_dtype, kernels=kernels, attention=model.attention,
-                     bridge=bridge, host_signal=signal, routing=model.routing, weights=args.weights,
+                     bridge=bridge, host_signal=signal, host_pages=pages, routing=model.routing, weights=args.weights,
                      decode_block=args.decode_block, reps=args.reps, load_s=load_s,
                      compile_s=compile_s, witness=witness)
             if args.json:  # as each finishes: a run cut short still leaves what it measured

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One hold of the GPU machine as three back-to-back calls (each under 10 minutes; the machine
+# One hold of the GPU machine as four back-to-back calls (each under 10 minutes; the machine
 # stays warm only ~30 s between calls, so /tmp keeps the builds and the files only if the next
 # call follows at once). Each call packs what it wrote into $OUT/<call>.tgz (a call returns 8
 # files at most). Every call: carry .whl (and .baseline for `trace`, which builds llama.cpp).
@@ -7,16 +7,22 @@
 #   trace   llama.cpp builds and the 48-layer file is written in the background (cores 0-12)
 #           while the 8-layer decode step is traced on cores 13-15 (graph_trace_probe.sh:
 #           single steps and blocks of 8), decode attention at 640 visible of 4096 slots, and
-#           the sampler's cuts by sort and by search (scripts/sampler_bench.py)
+#           the sampler's cuts by sort and by search (scripts/sampler_bench.py), and the prefill
+#           expert GEMM at 512 tokens: f32 tiles against quant tiles (moe_prefill_bench.py)
 #   side    llama-bench all on the card and -ncmoe 36, our card bench (block 8), our
-#           n-cpu-moe=36 bench over the FFI bridge with each signal (hostfunc, doorbell), ratios
+#           n-cpu-moe=36 bench over the FFI bridge: doorbell signal, the same with the host
+#           experts on huge pages, then (time left) the hostfunc signal; ratios
 #   hybrid  host kernel layouts and the three bridges (gpu_session.py host), llama-bench -ncmoe 36,
 #           quarter budget static and lfu-stream over the FFI bridge with $SIGNAL (default
 #           doorbell), ratios; the card bench with the sampler's cuts by sort (sort/) and with
 #           WHILE and CONDITIONAL command buffers (while/); with QPROF=1 and time left, the
 #           quarter-static decode profile (8 layers)
+#   prefill the card bench with f32-tile and with quant-tile prefill experts (kernels pallas and
+#           pallas-qtiles), with time left pallas-q8 (int8 tiles) and the 8-layer pp512 profile
 #
-#   run: bash scripts/gpu_hold.sh trace|side|hybrid   (ATTN=0 skips the attention bench, QPROF=1
+#   order: trace, side, prefill, then hybrid if device time is left (about 8-10 minutes each)
+#
+#   run: bash scripts/gpu_hold.sh trace|side|prefill|hybrid   (ATTN=0 skips the attention bench, QPROF=1
 #        adds the quarter profile; HOST_LAYOUTS narrows gpu_session's host sweep)
 set -u
 call=$1
@@ -33,13 +39,17 @@ trace)
     --splits 0,4,16 --heads-per-program 8 > "$RES/attention_bench.txt" 2>&1
   tail -8 "$RES/attention_bench.txt" 2>/dev/null
   taskset -c 13-15 timeout 90 python3 scripts/sampler_bench.py --json "$RES/sampler.json" 2>&1 | tail -6
+  taskset -c 13-15 timeout 200 python3 scripts/moe_prefill_bench.py --tokens 512 --skip-reference --reps 5 \
+    > "$RES/moe_prefill_T512.jsonl" 2>&1
+  grep -h '"config"' "$RES/moe_prefill_T512.jsonl" | cut -c1-160
   ;;
 side)
   bash scripts/await_builds.sh 240 || exit 1
   python3 scripts/gpu_session.py --out $RES llamacpp --only card,ncmoe36
   $B bench --only card
-  $B --bridge ffi --signal hostfunc bench --only ncmoe36
   $B --bridge ffi --signal doorbell bench --only ncmoe36
+  $B --bridge ffi --signal doorbell --pages huge bench --only ncmoe36
+  [ $SECONDS -lt 450 ] && $B --bridge ffi --signal hostfunc bench --only ncmoe36
   python3 scripts/gpu_session.py --out $RES compare
   ;;
 hybrid)
@@ -50,12 +60,28 @@ hybrid)
   # the card decode with the sampler's cuts by sort, against the side call's (by search)
   mkdir -p $RES/sort && BLOOMERY_SAMPLER_CUTS=sort ${B/--out $RES/--out $RES/sort} bench --only card
   # and with a block's loop and conditionals allowed as CUDA graph nodes
-  mkdir -p $RES/while && XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL \
+  mkdir -p $RES/while && XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL \
     ${B/--out $RES/--out $RES/while} bench --only card
   if [ "${QPROF:-0}" = 1 ] && [ $SECONDS -lt 420 ]; then
     BLOOMERY_FFI_SIGNAL=${SIGNAL:-doorbell} timeout 150 python3 scripts/profile_decode.py --model $M8 $K \
       --place card-experts=32 --bridge ffi --decode-block 8 --steps 16 --out /tmp/qprof > "$RES/qprof.log" 2>&1
     echo "quarter profile: rc $?"; cp /tmp/qprof/profile.json "$RES/profile-quarter-static.json" 2>/dev/null
+  fi
+  ;;
+prefill)
+  # the card bench with the prefill experts on f32 tiles (pallas) and on quant tiles
+  # (pallas-qtiles) in one call, llama.cpp's card row from the side call; then where an
+  # 8-layer pp512 goes
+  bash scripts/await_builds.sh 240 || exit 1
+  [ "${BASE:-1}" = 1 ] && $B bench --only card  # BASE=0: side's card bench on this warm machine is the base
+  mkdir -p $RES/qtiles && Q=${B/--out $RES/--out $RES/qtiles} && ${Q/--kernels pallas /--kernels pallas-qtiles } bench --only card
+  if [ $SECONDS -lt 330 ]; then  # int8 tile products (and Q8_1 activations everywhere)
+    mkdir -p $RES/q8 && Q=${B/--out $RES/--out $RES/q8} && ${Q/--kernels pallas /--kernels pallas-q8 } bench --only card
+  fi
+  if [ $SECONDS -lt 450 ]; then
+    timeout 140 python3 scripts/profile_decode.py --model $M8 $K --prefill --prompt 512 --steps 3 \
+      --out /tmp/pprof > "$RES/prefill_profile.log" 2>&1
+    echo "prefill profile: rc $?"; cp /tmp/pprof/profile.json "$RES/profile-prefill512.json" 2>/dev/null
   fi
   ;;
 *) echo "unknown call $call"; exit 2 ;;

@@ -187,7 +187,8 @@ def bench(args, name: str, extra: list[str], parallel: str = "1,2") -> None:
     log(" ".join(cmd))
     t0 = time.perf_counter()
     try:
-        env = dict(os.environ, **({"BLOOMERY_FFI_SIGNAL": args.signal} if args.signal else {}))
+        env = dict(os.environ, **({"BLOOMERY_FFI_SIGNAL": args.signal} if args.signal else {}),
+                   **({"BLOOMERY_HOST_PAGES": args.pages} if args.pages else {}))
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=args.variant_timeout, env=env)
         rc, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
     except subprocess.TimeoutExpired as e:  # keep what it printed: load and compile times
@@ -197,6 +198,7 @@ def bench(args, name: str, extra: list[str], parallel: str = "1,2") -> None:
            + ("" if args.routing == "xla" else f"-route-{args.routing}")
            + ("" if args.bridge == "callback" else f"-bridge-{args.bridge}")
            + (f"-{args.signal}" if args.signal else "")
+           + (f"-pages-{args.pages}" if args.pages else "")
            + ("" if args.decode_block == 1 else f"-block{args.decode_block}"))
     write_json(args.out, f"bench-{name}-{tag}.json", dict(command=" ".join(cmd), rc=rc, records=records,
                                                     stderr=stderr[-3000:], seconds=time.perf_counter() - t0))
@@ -231,7 +233,8 @@ def stage_host(args) -> None:
     # under each work-item layout (rows per item : software prefetch rows ahead)
     threads = str(max(1, (os.cpu_count() or 3) - 2))
     host = ["--weights", "q4_k_m", "--acts", "q8", "--tokens", "1,8", "--threads", threads,
-            "--layouts", os.environ.get("HOST_LAYOUTS", "16:0,16:2,16:4,64:0,64:2")]
+            "--layouts", os.environ.get("HOST_LAYOUTS", "16:0,16:2,16:4,64:0,64:2"),
+            "--memory", os.environ.get("HOST_MEMORY", "numpy,small,huge,file")]
     if args.tiny:
         host += ["--reps", "3", "--d", "256", "--f", "256", "--experts", "16"]
     args.out.mkdir(parents=True, exist_ok=True)
@@ -301,12 +304,14 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--variant-timeout", type=float, default=None, help="seconds one bench variant may run")
     p.add_argument("--layers", type=int, default=None, help="the big model with this many layers (default 48)")
-    p.add_argument("--kernels", default="auto", help="bench --kernels (reference | pallas | pallas-tf32 | pallas-q8 | auto)")
+    p.add_argument("--kernels", default="auto", help="bench --kernels (reference | pallas | pallas-tf32 | pallas-qtiles | pallas-q8 | auto)")
     p.add_argument("--attention", default="xla", choices=("xla", "pallas"), help="bench --attention (default xla)")
     p.add_argument("--routing", default="xla", choices=("xla", "pallas"), help="bench --routing (default xla)")
     p.add_argument("--bridge", default="callback", choices=("callback", "ffi"), help="bench --bridge (default callback)")
     p.add_argument("--signal", default=None, choices=("hostfunc", "doorbell"),
                    help="the FFI bridge's signal for bench (BLOOMERY_FFI_SIGNAL; default: bench's own)")
+    p.add_argument("--pages", default=None, choices=("small", "huge"),
+                   help="the host experts' memory pages for bench (BLOOMERY_HOST_PAGES; default: bench's own)")
     p.add_argument("--decode-block", type=int, default=1, help="bench --decode-block (default 1)")
     p.add_argument("--parallel", default=None, help="bench --parallel for every variant (default: its own)")
     p.add_argument("--tiny", action="store_true", help="small models: check the flow on a CPU")

@@ -41,7 +41,7 @@ declare -A FLAGS=(
   [opbyop]=""
   [dump]="--xla_dump_to=/tmp/gtp-dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*"
   [block8]="--xla_enable_command_buffers_during_profiling=true"
-  [block8_dev]="--xla_enable_command_buffers_during_profiling=true --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
+  [block8_dev]="--xla_enable_command_buffers_during_profiling=true --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"
 )
 for v in ${VARIANTS:-graph block8 block8_dev dump opbyop}; do
   [ $SECONDS -gt 450 ] && { echo "$v: skipped, the call's time is nearly spent"; continue; }

@@ -20,14 +20,20 @@ no expert on the host: what a call costs before any dot product.
 
 Weights: ``--distinct`` experts are quantized from random normals with the repo's quantizer and
 tiled to E experts (distinct memory, the same values: quantizing all 128 would take minutes).
+``--memory`` reads them from other kinds of host memory too (``in_memory``): NumPy's own (huge
+pages where the kernel allows), anonymous memory on small or huge pages (the FFI bridge's two
+``BLOOMERY_HOST_PAGES`` settings), or a file's page cache (the callback bridge's GGUF views).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import platform
 import re
+import shutil
+import tempfile
 import time
 from collections import Counter
 
@@ -37,6 +43,7 @@ from gguf import GGMLQuantizationType as T
 from numba import njit, prange
 
 from bloomery_jax.host import HostExpertLayer, HostTensor, host_moe_swiglu
+from bloomery_jax.host.memory import host_buffer, huge_page_bytes
 from bloomery_jax.host import blocks as B
 from bloomery_jax.host.swiglu import CHUNKSIZE, PREFETCH_ROWS, ROWS_PER_ITEM
 from bloomery_jax.quant import quantize
@@ -71,6 +78,29 @@ def _tensor(w: np.ndarray, qtype, E: int) -> HostTensor:
     raw = np.ascontiguousarray(np.tile(raw, (reps, 1, 1))[:E])
     data = raw.view(np.float16) if qtype == T.F16 else raw
     return HostTensor(data, qtype, (E, w.shape[1], w.shape[2]))
+
+
+MEMORIES = ("numpy", "small", "huge", "file")
+
+
+def in_memory(layer: HostExpertLayer, memory: str, tmpdir: str) -> HostExpertLayer:
+    """``layer`` copied into one kind of host memory: "numpy" as built (NumPy asks large arrays
+    for huge pages), "small" / "huge" anonymous memory on 4 KiB / 2 MiB pages (``host.memory``:
+    the FFI bridge's pinned memory by default / with BLOOMERY_HOST_PAGES=huge), "file" a memmap of
+    a file written with its bytes (the page cache, as the callback bridge reads the GGUF)."""
+    if memory == "numpy":
+        return layer
+    if memory == "file":
+        names = itertools.count()
+
+        def alloc(n: int) -> np.ndarray:
+            path = f"{tmpdir}/tensor{next(names)}.bin"
+            with open(path, "wb") as f:
+                f.truncate(n)
+            return np.memmap(path, np.uint8, mode="r+", shape=(n,))
+
+        return layer.copied(alloc)
+    return layer.copied(lambda n: host_buffer(n, memory))
 
 
 def make_layer(name: str, E: int, F: int, D: int, distinct: int, seed: int = 0) -> HostExpertLayer:
@@ -188,6 +218,8 @@ def main(argv=None) -> None:
     p.add_argument("--layouts", default=f"{ROWS_PER_ITEM}:{PREFETCH_ROWS}",
                    help="work-item layouts to compare, comma separated ROWS_PER_ITEM:PREFETCH_ROWS "
                         "(e.g. 16:0,16:2,64:0,64:2)")
+    p.add_argument("--memory", default="numpy",
+                   help=f"host memory kinds the weights are read from, comma separated ({', '.join(MEMORIES)})")
     p.add_argument("--distinct", type=int, default=4, help="experts quantized, then tiled to E")
     p.add_argument("--bw-mib", type=int, default=1024, help="array size of the read-bandwidth sum")
     p.add_argument("--asm", action="store_true", help="print each row kernel's packed-SIMD mix (after the run)")
@@ -201,26 +233,35 @@ def main(argv=None) -> None:
                            "threading_layer": None, "cores": numba.config.NUMBA_NUM_THREADS},
                "shape": {"D": a.d, "F": a.f, "E": a.experts, "k": a.k}, "bandwidth": {}, "runs": []}
     layers = {}
+    tmpdir = tempfile.mkdtemp(prefix="host_bench_")
     for name in a.weights.split(","):
         t0 = time.perf_counter()
-        layers[name] = make_layer(name, a.experts, a.f, a.d, a.distinct)
-        print(f"{name}: {layers[name].expert_bytes() / 1e6:.2f} MB an expert, "
-              f"{layers[name].expert_bytes() * a.experts / 1e9:.2f} GB a layer (built in {time.perf_counter() - t0:.1f} s)")
+        built = make_layer(name, a.experts, a.f, a.d, a.distinct)
+        print(f"{name}: {built.expert_bytes() / 1e6:.2f} MB an expert, "
+              f"{built.expert_bytes() * a.experts / 1e9:.2f} GB a layer (built in {time.perf_counter() - t0:.1f} s)")
+        for memory in a.memory.split(","):
+            layer = in_memory(built, memory, tmpdir)
+            key = name if memory == "numpy" else f"{name}@{memory}"
+            layers[key] = layer
+            huge = sum(huge_page_bytes(t.data) for t in (layer.gate, layer.up, layer.down))
+            results.setdefault("memory", {})[key] = dict(kind=memory, huge_page_bytes=huge)
+            print(f"  {key}: {huge / 2**20:.0f} MiB of its mappings on huge pages")
     for th in threads:
         numba.set_num_threads(th)
         bw = read_bandwidth(a.bw_mib, max(5, a.reps // 2))
         results["bandwidth"][th] = bw
         print(f"\nthreads {th}: read bandwidth (numba parallel sum, {a.bw_mib} MiB f32) {bw:.1f} GB/s")
-        print(f"{'weights':8s} {'act':4s} {'rpi:pf':6s} {'N':>4s} {'ms':>8s} {'MB':>7s} {'GB/s':>6s} {'ratio':>5s} "
+        print(f"{'weights':14s} {'act':4s} {'rpi:pf':6s} {'N':>4s} {'ms':>8s} {'MB':>7s} {'GB/s':>6s} {'ratio':>5s} "
               f"{'best GB/s':>9s} {'work GB/s':>9s} {'empty ms':>8s}")
         for name, layer in layers.items():
             for N in tokens:
                 case = bench_case(layer, a.acts.split(","), N, a.k, a.reps, a.warmup, chunksize=a.chunksize,
                                   multi_min=a.multi_min, layouts=layouts)
                 for (act, rpi, pf), r in case.items():
-                    r.update(weights=name, act=act, N=N, threads=th, ratio=r["GBps"] / bw)
+                    r.update(weights=name, act=act, N=N, threads=th, ratio=r["GBps"] / bw,
+                             memory=results["memory"][name]["kind"])
                     results["runs"].append(r)
-                    print(f"{name:8s} {act:4s} {rpi:3d}:{pf:<2d} {N:4d} {r['ms']:8.3f} {r['GB'] * 1e3:7.1f} {r['GBps']:6.2f} {r['ratio']:5.2f} "
+                    print(f"{name:14s} {act:4s} {rpi:3d}:{pf:<2d} {N:4d} {r['ms']:8.3f} {r['GB'] * 1e3:7.1f} {r['GBps']:6.2f} {r['ratio']:5.2f} "
                           f"{r['GBps_best']:9.2f} {r['work_GBps']:9.2f} {r['empty_ms']:8.3f}")
     results["machine"]["threading_layer"] = numba.threading_layer()
     print(f"\nnumba threading layer: {results['machine']['threading_layer']}")
@@ -228,6 +269,7 @@ def main(argv=None) -> None:
         results["asm"] = asm_mix()
         for name, ops in results["asm"].items():
             print(f"{name:14s} " + ", ".join(f"{op} x{n}" for op, n in ops))
+    shutil.rmtree(tmpdir, ignore_errors=True)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(results, f, indent=1)

@@ -33,13 +33,15 @@ from moe_decode_bench import QWEN3_30B, SMOKE, build_weights, median_us
 from bloomery_jax.ops.experts import _moe_swiglu_gemm, moe_swiglu
 from bloomery_jax.pallas.moe_gemm import GemmConfig
 
-# (block_m, block_n, num_warps, num_stages, precision): precisions at one tile, then tiles at tf32x3
+# (block_m, block_n, num_warps, num_stages, precision[, wide]): the f32-tile picks measured on
+# 2026-12-03 (benchmarks/gpu_2026-12-03-s3: tf32x3 2.54 ms at 64 x 64, tf32 1.02 at 32 x 64),
+# the whole-chunk tiles never timed, then quant tiles (q-bf16, q-bf16x2, q-int8) over tile shapes
 DEFAULT_SWEEP = [
-    (32, 64, 4, 2, "ieee"), (32, 64, 4, 2, "tf32x3"), (32, 64, 4, 2, "tf32"), (32, 64, 4, 2, "bf16x3"),
-    (32, 64, 4, 2, "bf16"),
-    (16, 64, 4, 2, "tf32x3"), (64, 64, 4, 2, "tf32x3"), (32, 128, 4, 2, "tf32x3"), (64, 128, 8, 2, "tf32x3"),
-    (32, 64, 4, 3, "tf32x3"), (16, 128, 4, 2, "tf32x3"), (64, 32, 4, 2, "tf32x3"),
-    (64, 64, 4, 2, "tf32x3", True), (64, 64, 8, 2, "tf32x3", True), (64, 64, 4, 2, "tf32", True),
+    (64, 64, 4, 2, "tf32x3"), (32, 64, 4, 2, "tf32"), (64, 64, 4, 2, "tf32x3", True), (64, 64, 4, 2, "tf32", True),
+    (32, 64, 4, 2, "q-bf16"), (64, 64, 4, 2, "q-bf16"), (64, 128, 8, 2, "q-bf16"),
+    (32, 64, 4, 2, "q-bf16x2"), (64, 64, 4, 2, "q-bf16x2"), (64, 64, 8, 2, "q-bf16x2"), (64, 128, 8, 2, "q-bf16x2"),
+    (128, 64, 8, 2, "q-bf16x2"), (64, 64, 4, 3, "q-bf16x2"), (16, 64, 4, 2, "q-bf16x2"), (64, 32, 4, 2, "q-bf16x2"),
+    (32, 64, 4, 2, "q-int8"), (64, 64, 4, 2, "q-int8"), (64, 128, 8, 2, "q-int8"), (128, 64, 8, 2, "q-int8"),
 ]
 
 

@@ -200,6 +200,7 @@ int cuDevicePrimaryCtxRetain(void** ctx, int d) { *ctx = (void*)1; return 0; }
 int cuCtxPushCurrent_v2(void* ctx) { return 0; }
 int cuCtxPopCurrent_v2(void** ctx) { *ctx = (void*)1; return 0; }
 int cuMemHostAlloc(void** p, size_t n, unsigned flags) { return posix_memalign(p, 64, n); }
+int cuMemHostRegister_v2(void* p, size_t n, unsigned flags) { return flags == 1 ? 0 : 1; }
 int cuMemcpyAsync(unsigned long long dst, unsigned long long src, size_t n, void* stream) {
   memcpy((void*)dst, (const void*)src, n); return 0; }
 int cuMemcpyHtoD_v2(unsigned long long dst, const void* src, size_t n) { memcpy((void*)dst, src, n); return 0; }
@@ -247,20 +248,27 @@ for n in (3, 1, 3):  # new sizes intern new host calls; a size seen before reuse
     out = np.full_like(xs, np.nan)
     assert enqueue(xs, es, ws, on_host, out) == 0, err.value
     np.testing.assert_array_equal(out, host_moe_swiglu(xs, es, ws, on_host, layer))
-pinned = bridge._pinned_layer(layer)  # what a GPU bridge computes on: the same bytes, pinned
-for r in ("gate", "up", "down"):
-    a, b = getattr(pinned, r).data, getattr(layer, r).data
-    assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b) and not np.shares_memory(a, b)
-np.testing.assert_array_equal(host_moe_swiglu(x, experts, weights, on_host, pinned),
-                              host_moe_swiglu(x, experts, weights, on_host, layer))
-# seating: the chosen experts' rows of the three tensors copied from the (pinned) host copy into
-# one device buffer, in the layout the portable gather gives
 import jax
 from bloomery_jax.host import ffi as ffi_module
 from bloomery_jax.host.bridge import HostBridge
+from bloomery_jax.host.memory import HUGE_PAGE
+ffi_module._on_cuda = lambda: True
+# what a GPU bridge computes on: the same bytes, pinned by the driver (small pages) or on huge
+# pages the driver registers
+for pages in ("small", "huge"):
+    bridge.pages = pages
+    pinned = bridge._placed(layer)
+    for r in ("gate", "up", "down"):
+        a, b = getattr(pinned, r).data, getattr(layer, r).data
+        assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b) and not np.shares_memory(a, b)
+        assert pages == "small" or a.ctypes.data % HUGE_PAGE == 0
+    np.testing.assert_array_equal(host_moe_swiglu(x, experts, weights, on_host, pinned),
+                                  host_moe_swiglu(x, experts, weights, on_host, layer))
+bridge.pages = "small"
+# seating: the chosen experts' rows of the three tensors copied from the (pinned) host copy into
+# one device buffer, in the layout the portable gather gives
 ids = np.array([5, 0, 5, E - 1], np.int64)
 cpu = jax.devices("cpu")[0]
-ffi_module._on_cuda = lambda: True
 blocks = np.asarray(bridge.experts_on_card(5, ids, cpu))
 np.testing.assert_array_equal(blocks, np.asarray(HostBridge.experts_on_card(bridge, 5, ids, cpu)))
 assert blocks.size == ids.size * sum(getattr(layer, r).data[0].nbytes for r in ("gate", "up", "down"))

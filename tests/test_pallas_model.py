@@ -67,12 +67,13 @@ def test_layer_without_card_experts(q4km, ubatch):
     assert (model.placement.host.stats.streamed_bytes > 0) == (ubatch == 32)
 
 
-def test_tf32_prefill_setting(q4km):
-    # kernels=pallas-tf32 only changes the prefill experts' tensor-core precision, through the config
-    # (the interpreter computes every precision at f32 HIGHEST: its error is measured on the GPU)
+@pytest.mark.parametrize("kernels,precision", [("pallas-tf32", "tf32"), ("pallas-qtiles", "q-bf16x2")])
+def test_prefill_expert_precision_setting(q4km, kernels, precision):
+    # these kernels= choices only change the prefill experts' product, through the config (the
+    # interpreter computes tf32 at f32 HIGHEST, and quant tiles with their bf16 parts of x)
     assert load_model(q4km, kernels="pallas").cfg.moe_precision == "tf32x3"
-    model = load_model(q4km, kernels="pallas-tf32")
-    assert model.cfg.moe_precision == "tf32" and isinstance(model.params["blk.0.attn_q.weight"], PackedWeight)
+    model = load_model(q4km, kernels=kernels)
+    assert model.cfg.moe_precision == precision and isinstance(model.params["blk.0.attn_q.weight"], PackedWeight)
     ids = tokens(16, seed=4)
     ref = sequence_logits(load_model(q4km, kernels="reference", weights="blocks"), ids, ubatch=16)
     assert np.abs(sequence_logits(model, ids, ubatch=16) - ref).max() <= TOL * ref.std()
@@ -190,24 +191,29 @@ def test_q8_kernels_match_reference_with_cuda_rounding(q4km, n_tokens, ubatch):
     assert np.abs(exact - ref).max() > 10 * TOL * std
 
 
+def compile_kernels(monkeypatch):
+    """Make the model's Pallas calls lower for a GPU here, not run in the interpreter."""
+    import importlib
+
+    for name in ("ops.qmatmul", "ops.experts", "models.kv_cache", "models.qwen3moe", "engine.cache"):
+        module = importlib.import_module(f"bloomery_jax.{name}")
+        if hasattr(module, "interpret_kernels"):
+            monkeypatch.setattr(module, "interpret_kernels", lambda: False)
+
+
 @pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
 def test_decode_step_lowers_to_triton_for_h200(q4km, monkeypatch):
     """The whole one-token step of the GPU configuration (pallas kernels, attention and routing,
     the placement table as the engine passes it), lowered for an H200 without one: every kernel a verified Triton module, the q/k prep among them
     (it reads the q/k/v launch's partial sums and writes the cache through aliases); then a
     prefill step likewise."""
-    import importlib
-
     import jax.numpy as jnp
 
     from bloomery_jax.models import qwen3moe
     from triton_lowering import triton_kernels
 
     model = load_model(q4km, kernels="pallas", attention="pallas", routing="pallas")
-    for name in ("ops.qmatmul", "ops.experts", "models.kv_cache", "models.qwen3moe"):  # compile, not interpret
-        module = importlib.import_module(f"bloomery_jax.{name}")
-        if hasattr(module, "interpret_kernels"):
-            monkeypatch.setattr(module, "interpret_kernels", lambda: False)
+    compile_kernels(monkeypatch)
     cache = qwen3moe.init_cache(model.cfg, 1, 64)
     step = lambda params, tokens, positions, cache, placement: qwen3moe.forward(  # noqa: E731
         params, model.cfg, tokens, positions, cache, placement)
@@ -224,6 +230,40 @@ def test_decode_step_lowers_to_triton_for_h200(q4km, monkeypatch):
     assert all(cc == 90 and ok for _, cc, ok in built)
 
 
+
+@pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
+def test_decode_block_lowers_graph_ready_for_h200(q4km, monkeypatch):
+    """A decode block of the GPU configuration (the engine's ``lax.scan`` of steps, each with the
+    GPU's sampler) lowered for an H200: the loop's body has no sort and no conditional, which
+    would keep the loop on the host (a cub sort is no CUDA graph node; a conditional makes the
+    host wait for the card), and every kernel in it is a verified Triton module."""
+    import jax
+    import jax.numpy as jnp
+
+    from bloomery_jax.engine import sampling, steps
+    from bloomery_jax.engine.cache import SlotCache
+    from triton_lowering import lowered_for_h200, triton_kernels
+
+    model = load_model(q4km, kernels="pallas", attention="pallas", routing="pallas")
+    compile_kernels(monkeypatch)
+    monkeypatch.setattr(sampling, "SEARCH_PLATFORMS", ("gpu", jax.default_backend()))
+    monkeypatch.setattr(sampling, "BRANCH_FREE_PLATFORMS", ("gpu", jax.default_backend()))
+    rows = 2
+    cache = SlotCache.for_config(model.cfg, rows, 64)
+    sampler = sampling.make_rows([sampling.row_arrays(sampling.SamplingParams(temperature=0.8, top_p=0.9),
+                                                      model.cfg.n_vocab)] * rows)
+    block = lambda params, cache, sampler, placement, tokens, positions, active: steps._decode_steps(  # noqa: E731
+        model.module.forward, model.cfg, 20, 4, params, cache, sampler, placement, tokens, positions, active)
+    args = (model.params, cache, sampler, model.placement, jnp.zeros(rows, jnp.int32), jnp.full(rows, 5, jnp.int32),
+            jnp.ones(rows, bool))
+    built = triton_kernels(monkeypatch, block, *args)
+    names = {name for name, _, _ in built}
+    assert {"qgemv_many", "decode_qk_prep", "decode_attention", "route_topk", "moe_gemv_many"} <= names, names
+    assert all(cc == 90 and ok for _, cc, ok in built)
+    text = lowered_for_h200(block, *args)
+    assert text.count("stablehlo.while") == 1  # the scan itself
+    for op in ("stablehlo.sort", "stablehlo.case", "stablehlo.if"):
+        assert op not in text, op
 
 def test_packed_prefill_products_take_tf32x3_on_gpus(monkeypatch):
     """A packed weight times more rows than the GEMV takes: three TF32 passes when lowered for a

@@ -5,6 +5,8 @@ output, K / W dot products of W terms each, so its rounding depth is at most K /
 planes GEMV's (``qgemv.rounding_depth``); ``errors`` of tests/test_pallas_moe_gemv.py states
 the bound. The interpreter computes every product at f32 HIGHEST; the lower-precision passes
 (tf32x3, bf16x3, ...) are only lowered here and are measured on the GPU (scripts/kernel_bench.py).
+Quant tiles (q-bf16, q-bf16x2, q-int8) multiply the same bf16 or int8 operands in the interpreter
+as on the GPU; ``quant_tile_errors`` states their model and bound.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from bloomery_jax.pallas.moe_gemm import GemmConfig, moe_gemm, plan_tiles
+from bloomery_jax.pallas.moe_gemm import QUANT_TILES, GemmConfig, _bf16_parts, moe_gemm, plan_tiles
+from bloomery_jax.ops.actquant import quantize_q8_1
+from bloomery_jax.quant.dequant_k import k4_scales_mins
 from bloomery_jax.quant.repack import PACKABLE, repack
 from test_pallas_moe_gemv import errors, stacked
 from test_pallas_qgemv import weight
@@ -72,6 +76,63 @@ def test_wide_chunks_match_reference(qtype):
     assert (errors(wide, x, w64, experts, qtype, DEPTH_CFG) * planes_depth / wide_depth).max() <= 1.0
 
 
+def _plane_mins(raw, qtype, shape):
+    """f64 [E, N, K]: dmin * m of each element's sub-block for Q4_K / Q5_K, zeros for the rest."""
+    e, n, k = shape
+    if qtype not in (T.Q4_K, T.Q5_K):
+        return np.zeros(shape)
+    blocks = raw.reshape(e * n * (k // 256), -1)  # [B, block bytes]
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float64)  # [B, 1]
+    mins = np.asarray(k4_scales_mins(jnp.asarray(blocks[:, 4:16]))[1], np.float64)  # [B, 8]
+    return np.repeat((dmin * mins).reshape(e, n, k // 32), 32, axis=-1)
+
+
+def seen_x(x, precision):
+    """f64 [P, K]: x as a quant-tile precision's products see it (the bf16 parts' sum, or the
+    Q8_1 values), and whether its min term sums x itself (bf16) or those values (int8)."""
+    parts = QUANT_TILES[precision]
+    if parts:
+        return sum(np.asarray(part, np.float64) for part in _bf16_parts(x, parts)), True
+    return np.asarray(quantize_q8_1(x).values(), np.float64), False
+
+
+def quant_tile_errors(y, x, raw, w64, experts, qtype, precision, exact_sums=None):
+    """|y - model| / bound for quant-tile products. The kernel computes, per plane,
+    ``scale * (xr . q) - min * sum(s)`` with xr the x its products see and s either x or xr,
+    which is ``xr . w + sum_k min_k (xr_k - s_k)`` exactly (as ``scale * q = w + min``). Against
+    that model only f32 rounding remains: a plane's W-term dot (the products are exact in f32,
+    and in int32 for int8), the parts' sum or the rows' scale, the scale and min products and the
+    difference, then K / W plane sums: depth at most K/W + W + 4, on the magnitude
+    sum_k |xr_k| (|w_k| + |min_k|) + |s_k| |min_k|. ``exact_sums`` overrides the min term's s."""
+    xr, sums_x = seen_x(x, precision)
+    s = np.asarray(x, np.float64) if (sums_x if exact_sums is None else exact_sums) else xr
+    ex = np.asarray(experts)
+    w, mins = w64[ex], _plane_mins(raw, qtype, w64.shape)[ex]  # [P, N, K]
+    model = np.einsum("pk,pnk->pn", xr, w) + np.einsum("pk,pnk->pn", xr - s, mins)
+    mag = np.einsum("pk,pnk->pn", np.abs(xr), np.abs(w) + mins) + np.einsum("pk,pnk->pn", np.abs(s), mins)
+    k, width = x.shape[1], 16 if qtype == T.Q6_K else 32
+    return np.abs(np.asarray(y, np.float64) - model) / (1.01 * (k // width + width + 4) * 2.0 ** -24 * mag)
+
+
+@pytest.mark.parametrize("qtype,layout", [(q, "planes") for q in PACKABLE] + [(T.Q5_K, "ggml")],
+                         ids=lambda v: getattr(v, "name", v))
+@pytest.mark.parametrize("precision", sorted(QUANT_TILES))
+def test_quant_tiles_match_their_model(qtype, layout, precision):
+    rng = np.random.default_rng(int(qtype) + 3)
+    raw, pw, w64 = stacked(qtype, 6, 32, 512, rng, layout)
+    experts = jnp.asarray(rng.integers(0, 6, 40), jnp.int32)
+    x = jnp.asarray(rng.standard_normal((40, 512)), jnp.float32)
+    y = grouped(x, pw, experts, GemmConfig(block_m=16, block_n=16, precision=precision))
+    assert quant_tile_errors(y, x, raw, w64, experts, qtype, precision).max() <= 1.0
+    # guards the model: judged as another precision's rounding of x, it fails
+    other = {"q-bf16": "q-bf16x2", "q-bf16x2": "q-bf16", "q-int8": "q-bf16"}[precision]
+    assert quant_tile_errors(y, x, raw, w64, experts, qtype, other).max() > 1.0
+    if qtype in (T.Q4_K, T.Q5_K) and precision != "q-bf16x2":  # and judged with the other min term
+        # (with two parts x - xr is at most 2^-16 |x|, too small against the bound to tell)
+        flipped = not seen_x(x, precision)[1]
+        assert quant_tile_errors(y, x, raw, w64, experts, qtype, precision, exact_sums=flipped).max() > 1.0
+
+
 def test_bound_catches_a_wrong_expert():
     # guards the test: the right outputs judged against another expert fail the bound everywhere
     rng = np.random.default_rng(11)
@@ -97,18 +158,23 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="needs a 3-D planes-layout or ggml-layout"):
         moe_gemm(jnp.zeros((16, 256)), rows, jnp.zeros(1, jnp.int32), config=CFG, interpret=True)
     ggml = repack(np.zeros((4, 16, 144), np.uint8), T.Q4_K, (4, 16, 256), "ggml")
-    with pytest.raises(ValueError, match="wide=True builds whole planes-layout chunks"):
+    with pytest.raises(ValueError, match="wide=True builds whole planes-layout f32 chunks"):
         moe_gemm(jnp.zeros((16, 256)), ggml, jnp.zeros(1, jnp.int32), config=GemmConfig(block_m=16, wide=True),
                  interpret=True)
+    with pytest.raises(ValueError, match="at precision 'q-bf16' takes wide=False"):
+        moe_gemm(jnp.zeros((16, 256)), pw, jnp.zeros(1, jnp.int32),
+                 config=GemmConfig(block_m=16, precision="q-bf16", wide=True), interpret=True)
 
 
 @pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
 @pytest.mark.parametrize("qtype,precision,wide", [(q, "tf32x3", False) for q in PACKABLE] + [
-    (T.Q4_K, p, False) for p in ("ieee", "tf32", "bf16x3", "bf16")] + [(T.Q4_K, "tf32x3", True), (T.Q5_K, "tf32", True)],
+    (T.Q4_K, p, False) for p in ("ieee", "tf32", "bf16x3", "bf16", "q-bf16")] + [
+    (T.Q4_K, "tf32x3", True), (T.Q5_K, "tf32", True)] + [
+    (q, p, False) for q in PACKABLE for p in ("q-bf16x2", "q-int8")],
     ids=lambda v: getattr(v, "name", str(v)))
 def test_lowers_to_triton_for_h200(qtype, precision, wide, monkeypatch):
-    """A verified Triton module for sm_90 at every format (tf32x3), every precision (Q4_K) and
-    with whole-chunk tiles."""
+    """A verified Triton module for sm_90 at every format (tf32x3 and quant tiles), every
+    precision (Q4_K) and with whole-chunk tiles."""
     e, n, k = 6, 128, 512
     raw = np.stack([weight(qtype, n, k, np.random.default_rng(0)) for _ in range(e)])
     pw = repack(raw, qtype, (e, n, k))

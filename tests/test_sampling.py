@@ -8,6 +8,7 @@ from the top-p and min-p boundaries (a margin of 1e-4, far above f32 cumsum erro
 
 from __future__ import annotations
 
+import re
 import zlib
 
 import jax
@@ -294,3 +295,22 @@ def test_search_draws_the_sort_s_tokens():
     for step in range(8):
         r = rows._replace(step=rows.step + step)
         assert np.array_equal(np.asarray(fn(logits, r, search=True)), np.asarray(fn(logits, r, search=False)))
+
+
+def test_gpu_sampler_lowers_without_long_sorts_or_branches(monkeypatch):
+    """What a CUDA graph can hold: the GPU's sampler (cuts by search, no branch, the top-20 by
+    stages of 512) lowers for an H200 with no sort, no conditional and no top-k over a row longer
+    than a stage. XLA makes a sort of a long row a cub custom call, which no graph node holds, and
+    a conditional makes the host wait for the card: either keeps a decode block's loop on the host."""
+    from triton_lowering import lowered_for_h200
+
+    monkeypatch.setattr(S, "SEARCH_PLATFORMS", ("gpu", jax.default_backend()))
+    monkeypatch.setattr(S, "BRANCH_FREE_PLATFORMS", ("gpu", jax.default_backend()))
+    vocab = 151936
+    rows = S.make_rows([S.row_arrays(S.SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=b), vocab)
+                        for b in range(4)])
+    text = lowered_for_h200(S.sample, jax.ShapeDtypeStruct((4, vocab), jnp.float32), rows)
+    for op in ("stablehlo.sort", "stablehlo.case", "stablehlo.if", "stablehlo.while", "custom_call"):
+        assert op not in text, op
+    widths = [int(m) for m in re.findall(r"chlo\.top_k\(%\w+, k = \d+\) : tensor<[\dx]*?(\d+)xf32>", text)]
+    assert widths and max(widths) <= S.TOP_K_TILE, widths

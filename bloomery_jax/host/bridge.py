@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .memory import host_buffer, resolve_pages
 from .swiglu import EXPERT_ROLES, HostExpertLayer, host_moe_swiglu
 
 
@@ -65,20 +66,27 @@ class HostBridge:
     Args:
       layers: MoE layer index → its three expert tensors on the host.
       threads: Numba threads for the host kernels (None = :func:`default_threads`).
+      pages: "small" (the experts stay views of the file) or "huge" (copied into memory on
+        transparent huge pages); None = ``$BLOOMERY_HOST_PAGES``, else small (``host.memory``).
     """
 
     # Steps branch around ``moe`` when none of their pairs is on the host: a callback synchronises
     # the stream anyway, so reading the branch's predicate costs nothing more.
     skip_empty_calls = True
 
-    def __init__(self, layers: dict[int, HostExpertLayer], threads: int | None = None):
-        self.layers = dict(layers)
+    def __init__(self, layers: dict[int, HostExpertLayer], threads: int | None = None, pages: str | None = None):
+        self.pages = resolve_pages(pages)
+        self.layers = {i: self._placed(layer) for i, layer in layers.items()}
         self.threads = int(threads) if threads is not None else default_threads()
         self._stats = BridgeStats()
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"HostBridge({len(self.layers)} layers)"
+
+    def _placed(self, layer: HostExpertLayer) -> HostExpertLayer:
+        """``layer`` in the memory the kernels will read: as given, or copied onto huge pages."""
+        return layer.copied(lambda n: host_buffer(n, "huge")) if self.pages == "huge" else layer
 
     @property
     def stats(self) -> BridgeStats:

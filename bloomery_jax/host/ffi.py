@@ -39,8 +39,8 @@ import numpy as np
 from ..errors import ConfigError
 from . import ffi_layout as F
 from .bridge import BridgeStats, HostBridge
-from .swiglu import (_TAB16, _TABBF, EXPERT_ROLES, PREFETCH_ROWS, ROWS_PER_ITEM, HostExpertLayer, HostTensor,
-                     kernel_settings)
+from .memory import host_buffer, mapped_bytes
+from .swiglu import _TAB16, _TABBF, EXPERT_ROLES, PREFETCH_ROWS, ROWS_PER_ITEM, HostExpertLayer, kernel_settings
 
 SOURCE = Path(__file__).resolve().parent / "ffi_bridge.cc"
 TARGET = "bloomery_host_moe"
@@ -77,6 +77,8 @@ def library() -> ctypes.CDLL:
     lib.bloomery_ffi_pinned_alloc.restype = ctypes.c_void_p
     lib.bloomery_ffi_pinned_alloc.argtypes = [ctypes.c_int, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_size_t]
     lib.bloomery_ffi_doorbell_start.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
+    lib.bloomery_ffi_host_register.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p,
+                                               ctypes.c_size_t]
     lib.bloomery_ffi_rows_to_device.argtypes = [ctypes.c_int, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_void_p,
                                                 ctypes.c_int64, ctypes.c_int64, ctypes.c_char_p, ctypes.c_size_t]
     on_cuda = _on_cuda()
@@ -185,15 +187,14 @@ class FfiHostBridge(HostBridge):
     # activations and back and runs a kernel that returns at once.
     skip_empty_calls = False
 
-    def __init__(self, layers: dict[int, HostExpertLayer], threads: int | None = None, signal: str | None = None):
+    def __init__(self, layers: dict[int, HostExpertLayer], threads: int | None = None, signal: str | None = None,
+                 pages: str | None = None):
         from .entry import layer_entry
 
         self.signal = resolve_signal(signal)
         self._lib = library()
-        self._pinned_buffers: list[int] = []  # never freed: recorded CUDA graphs may copy to or from them
-        if _on_cuda():
-            layers = {i: self._pinned_layer(layer) for i, layer in layers.items()}
-        super().__init__(layers, threads)
+        self._pinned_buffers: list = []  # never freed: recorded CUDA graphs may copy to or from them
+        super().__init__(layers, threads, pages)
         entry = dict(FN=layer_entry.address, SET_THREADS=_numba_set_threads(), THREADS=self.threads,
                      SIGNAL=F.SIGNALS.index(self.signal))
         if self.signal == "doorbell" and _on_cuda():
@@ -277,16 +278,27 @@ class FfiHostBridge(HostBridge):
             dst += ids.size * nbytes
         return out
 
-    def _pinned_layer(self, layer: HostExpertLayer) -> HostExpertLayer:
-        """``layer`` with its three tensors copied into pinned memory."""
-        tensors = []
-        for t in (layer.gate, layer.up, layer.down):
-            size = int(t.data.nbytes)
-            buf = (ctypes.c_uint8 * size).from_address(self._pinned(size))
-            data = np.frombuffer(buf, np.uint8).view(t.data.dtype).reshape(t.data.shape)
-            data[...] = t.data
-            tensors.append(HostTensor(data, t.qtype, t.shape))
-        return HostExpertLayer(*tensors, act=layer.act)
+    def _placed(self, layer: HostExpertLayer) -> HostExpertLayer:
+        """On a CUDA device, ``layer`` copied into page-locked memory: the driver's
+        (``cuMemHostAlloc``, 4 KiB pages) for "small" pages, or :func:`host_buffer`'s huge pages
+        page-locked by ``cuMemHostRegister`` for "huge". Elsewhere as :class:`HostBridge`."""
+        if not _on_cuda():
+            return super()._placed(layer)
+        if self.pages == "huge":
+            return layer.copied(self._registered)
+        return layer.copied(lambda n: np.frombuffer((ctypes.c_uint8 * n).from_address(self._pinned(n)), np.uint8))
+
+    def _registered(self, size: int) -> np.ndarray:
+        """A huge-page host buffer of ``size`` bytes, touched, then page-locked for the device's copies."""
+        buf = host_buffer(size, "huge")
+        buf.fill(0)  # fault the pages in (as huge pages) before the driver pins them
+        err = ctypes.create_string_buffer(256)
+        if self._lib.bloomery_ffi_host_register(jax.devices()[0].id, ctypes.c_void_p(buf.ctypes.data),
+                                                ctypes.c_size_t(mapped_bytes(size)), err, len(err)):
+            raise ConfigError(f"ffi host bridge: page-locking {size} bytes of huge-page memory: "
+                              f"{err.value.decode()} (BLOOMERY_HOST_PAGES=small takes the driver's pinned memory)")
+        self._pinned_buffers.append(buf)
+        return buf
 
     def _ensure_staging(self, n: int, k: int) -> None:
         """Pinned staging for ``n`` tokens in every record (one set for the bridge: the layers'

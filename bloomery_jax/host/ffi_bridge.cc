@@ -148,6 +148,7 @@ struct Driver {
   CUresult (*ctx_push)(void*) = nullptr;
   CUresult (*ctx_pop)(void**) = nullptr;
   CUresult (*host_alloc)(void**, size_t, unsigned) = nullptr;
+  CUresult (*host_register)(void*, size_t, unsigned) = nullptr;
   CUresult (*memcpy_async)(uint64_t, uint64_t, size_t, CUstream) = nullptr;
   CUresult (*memcpy_htod)(uint64_t, const void*, size_t) = nullptr;
   CUresult (*launch_host_func)(CUstream, void (*)(void*), void*) = nullptr;
@@ -175,6 +176,7 @@ const Driver& Cuda() {
     sym(d.ctx_push, "cuCtxPushCurrent_v2");
     sym(d.ctx_pop, "cuCtxPopCurrent_v2");
     sym(d.host_alloc, "cuMemHostAlloc");
+    sym(d.host_register, "cuMemHostRegister_v2", false);  // huge-page host experts only
     sym(d.memcpy_async, "cuMemcpyAsync");
     sym(d.memcpy_htod, "cuMemcpyHtoD_v2");
     sym(d.launch_host_func, "cuLaunchHostFunc");
@@ -516,6 +518,19 @@ void* bloomery_ffi_pinned_alloc(int ordinal, size_t bytes, char* error, size_t e
   if (failed.empty()) return p;
   snprintf(error, error_len, "%s", failed.c_str());
   return nullptr;
+}
+
+// Page-lock `bytes` of host memory at `p` (allocated by the caller, e.g. on huge pages) for the
+// device `ordinal`'s copies (cuMemHostRegister, portable); 0, or 1 with a message in `error`.
+int bloomery_ffi_host_register(int ordinal, void* p, size_t bytes, char* error, size_t error_len) {
+  const Driver& cu = Cuda();
+  std::string failed = cu.host_register == nullptr && cu.error.empty()
+                           ? std::string("libcuda.so.1 has no cuMemHostRegister_v2")
+                           : InContext(cu, ordinal, "cuMemHostRegister of " + std::to_string(bytes) + " bytes",
+                                       [&] { return cu.host_register(p, bytes, 1 /* CU_MEMHOSTREGISTER_PORTABLE */); });
+  if (failed.empty()) return 0;
+  snprintf(error, error_len, "%s", failed.c_str());
+  return 1;
 }
 
 }  // extern "C"

@@ -208,6 +208,15 @@ class HostExpertLayer:
         """Bytes of one expert's three matrices in the file."""
         return sum(t.raw[0].nbytes for t in (self.gate, self.up, self.down))
 
+    def copied(self, alloc) -> "HostExpertLayer":
+        """This layer with each tensor's bytes copied into ``alloc(nbytes)`` (a uint8 array)."""
+        tensors = []
+        for t in (self.gate, self.up, self.down):
+            data = alloc(int(t.data.nbytes)).view(t.data.dtype).reshape(t.data.shape)
+            data[...] = t.data
+            tensors.append(HostTensor(data, t.qtype, t.shape))
+        return HostExpertLayer(*tensors, act=self.act)
+
 
 def host_moe_swiglu(x: np.ndarray, experts: np.ndarray, weights: np.ndarray, on_host: np.ndarray,
                     layer: HostExpertLayer, *, act: str | None = None,

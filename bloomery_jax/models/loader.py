@@ -26,6 +26,9 @@ from ..settings import ATTENTION, BRIDGES, KERNELS, ROUTING, WEIGHT_FORMS
 from .registry import module_for_file
 from .spec import check_tensors
 
+# kernels= choices that change only the prefill experts' product (pallas.moe_gemm precisions)
+MOE_PRECISION_OF = {"pallas-tf32": "tf32", "pallas-qtiles": "q-bf16x2"}
+
 
 @dataclasses.dataclass(eq=False)
 class Model:
@@ -86,7 +89,9 @@ def load_model(path: str | os.PathLike, *, device=None, place="card", reserve_by
       kernels: "reference" (jnp dequantize + matmul), "pallas" (card matmul weights repacked
         on the device for the Pallas kernels; ``weights`` must then be blocks or auto),
         "pallas-tf32" (as pallas, prefill experts in one TF32 pass instead of three: sets
-        ``cfg.moe_precision``), "pallas-q8" (as pallas with weights in the "ggml" layout and
+        ``cfg.moe_precision``), "pallas-qtiles" (as pallas, prefill experts multiply the stored
+        quants by x in two bf16 parts, scales applied after each sub-block: ``moe_precision``
+        "q-bf16x2"), "pallas-q8" (as pallas with weights in the "ggml" layout and
         activations rounded to Q8_1 before every quantized matmul, as llama.cpp's CUDA backend
         does: decode GEMVs take integer dot products; sets ``cfg.act_rounding="ggml-cuda"``) or
         "auto" (pallas on a GPU, else reference). Weights no kernel can serve are listed on
@@ -153,8 +158,8 @@ def load_model(path: str | os.PathLike, *, device=None, place="card", reserve_by
         if weights == "f32":
             raise ConfigError("weights='f32' and kernels='pallas' exclude each other: the kernels read blocks")
         params = _pack_for_kernels(params, specs, "ggml" if kernels == "pallas-q8" else "planes")
-        if kernels == "pallas-tf32" and hasattr(cfg, "moe_precision"):
-            cfg = dataclasses.replace(cfg, moe_precision="tf32")
+        if kernels in MOE_PRECISION_OF and hasattr(cfg, "moe_precision"):
+            cfg = dataclasses.replace(cfg, moe_precision=MOE_PRECISION_OF[kernels])
         if kernels == "pallas-q8":
             cfg = dataclasses.replace(cfg, act_rounding="ggml-cuda")
     elif _want_f32(weights, params, bool(host_tensors)):

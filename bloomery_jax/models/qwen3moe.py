@@ -57,7 +57,7 @@ class Config:
     # (ops/actquant.py), to compare with it on quantized files; "none" is the exact reference.
     act_rounding: str = "none"
     # Not from the file: the tensor-core precision of the prefill MoE kernel (pallas.moe_gemm);
-    # the loader sets "tf32" for kernels=pallas-tf32.
+    # the loader sets it for kernels=pallas-tf32 and pallas-qtiles (loader.MOE_PRECISION_OF).
     moe_precision: str = "tf32x3"
     # Not from the file: "pallas" makes one-token steps attend with pallas.decode_attention and
     # prefill steps with pallas.prefill_attention, read straight from the cache buffer

@@ -79,11 +79,11 @@ class Q8Act:
 
     def values(self) -> jax.Array:
         """The float32 activations these blocks stand for, ``q * d``: ``[..., K]``."""
-        q = _int8s(self.qs)  # [..., K/32, 32]
+        q = q8_1_ints(self.qs)  # [..., K/32, 32]
         return (q.astype(jnp.float32) * self.d[..., None]).reshape(*q.shape[:-2], -1)
 
 
-def _int8s(words: jax.Array) -> jax.Array:
+def q8_1_ints(words: jax.Array) -> jax.Array:
     """int32 [..., K/4] words -> int32 [..., K/32, 32] signed bytes in element order."""
     b = (words[..., None] << jnp.array([24, 16, 8, 0], jnp.int32)) >> 24  # [..., K/4, 4] sign-extended
     return b.reshape(*words.shape[:-1], -1, 32)

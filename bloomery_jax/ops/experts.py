@@ -155,6 +155,8 @@ def _moe_swiglu_gemm(x, experts, weights, gate, up, down, act_rounding, config):
     plan = plan_tiles(experts.reshape(N * k), gate.shape[0], config.block_m)
     tok = plan.rows // k  # [M] token of each tiled row
     x = x.astype(jnp.float32)
+    if config.precision == "q-int8" and act_rounding == "ggml-cuda":
+        act_rounding = "none"  # the kernel rounds x to Q8_1 blocks itself, as ggml-cuda does
     xg = round_activations(x, weight_qtype(gate), act_rounding)[tok]  # [M, D]
     xu = round_activations(x, weight_qtype(up), act_rounding)[tok]
     gemm = functools.partial(moe_gemm, tile_experts=plan.tile_experts, config=config, interpret=interpret)

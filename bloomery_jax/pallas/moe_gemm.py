@@ -17,9 +17,28 @@ Nothing is dequantized outside the kernel; each expert's weight is read once per
 axis and takes one K=256 product per chunk instead of eight K=32 ones (fewer layout conversions
 of fresh tiles; not yet timed on the GPU). Precision is a launch parameter: ``"ieee"`` (plain
 f32 FMAs), ``"tf32x3"`` (three TF32 passes, close to f32), ``"tf32"``, ``"bf16x3"``, ``"bf16"``.
-In the interpreter (CPU tests) every choice runs as an f32 product at HIGHEST, so the tests
+In the interpreter (CPU tests) every f32-tile choice runs as an f32 product at HIGHEST, so the tests
 check the tiling and dequantization and the GPU bench measures what each precision costs in
 error and time.
+
+Quant tiles (precisions ``"q-bf16"``, ``"q-bf16x2"`` and ``"q-int8"``): the product takes the
+stored quants themselves, ``q - bias`` (in [-128, 128): exact in bf16 and in int8), not
+dequantized f32 weights, and applies each plane's scale and min after its W-column product, as
+llama.cpp's MMQ kernels do with integer quants:
+
+    y[r, n] += scale[n] * (x[r, cols] . (q[n, cols] - bias)) - min[n] * sum(x[r, cols])
+
+The tile needs no f32 build and the product is one bf16 pass (bf16 tensor cores run twice the
+TF32 rate, and tf32x3 takes three). Only the activations round: ``"q-bf16"`` rounds x to bf16
+(at most 2^-8 of each element; llama.cpp's q8_1 rows err up to 2^-8 of their 32-block's largest);
+``"q-bf16x2"`` splits x into two bf16 parts and takes two passes (x kept to 2^-16). The sums
+of x over each plane are f32, formed before the launch from the unrounded x. ``"q-int8"`` is
+llama.cpp's arithmetic: x rounded to its CUDA Q8_1 rows (``ops.actquant.quantize_q8_1``, up to
+2^-8 of each 32-block's largest), exact int8 x int8 -> int32 products, then the row's block
+scale; its min term sums the Q8_1 values, so the result is ``q8_1(x) . w`` up to f32 rounding,
+what ``act_rounding="ggml-cuda"`` computes (no ``kernels=`` choice selects it: on the H100 it
+ran slower than q-bf16). The interpreter multiplies the same bf16 or int8 operands, so the CPU
+tests check the rounding too.
 """
 
 from __future__ import annotations
@@ -29,9 +48,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from gguf import GGMLQuantizationType as T
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from ..ops.actquant import q8_1_ints, quantize_q8_1
 from ..quant.repack import PackedWeight
 from .moe_gemv import _ExpertView, _kernel_name, _operands, check_stacked
 from .qgemv import F32, _largest_divisor, format_of
@@ -47,6 +68,8 @@ _ALGORITHMS = {
 }
 
 
+# precisions that multiply quants: x as that many bf16 parts, or (0) as llama.cpp's int8 Q8_1 rows
+QUANT_TILES = {"q-bf16": 1, "q-bf16x2": 2, "q-int8": 0}
 _NT = (((1,), (1,)), ((), ()))  # x [BM, W] . w [BN, W] over W -> [BM, BN]
 
 
@@ -59,7 +82,7 @@ class GemmConfig:
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
-    precision: str = "tf32x3"
+    precision: str = "tf32x3"  # a key of _ALGORITHMS or QUANT_TILES
     wide: bool = False  # one K=chunk product per chunk (Q4_K, Q5_K, planes layout) instead of one per plane
 
 
@@ -125,7 +148,7 @@ def _gemm_kernel(e_ref, x_ref, *refs, fmt, n_experts: int, chunks: int, algorith
             if wide:
                 tiles = [(c * fmt.chunk, fmt.chunk_tile(c, views))]  # [BN, chunk]
             else:
-                tiles = fmt.planes(c, views)  # [BN, W] each
+                tiles = [(plane.col, plane.weights()) for plane in fmt.planes(c, views)]  # [BN, W] each
             for col, w in tiles:
                 xt = x_ref[:, pl.ds(col, w.shape[1])].astype(F32)  # [BM, W or chunk]
                 acc = acc + jax.lax.dot_general(xt, w, _NT, precision=algorithm,
@@ -133,6 +156,88 @@ def _gemm_kernel(e_ref, x_ref, *refs, fmt, n_experts: int, chunks: int, algorith
             return acc
 
         o_ref[...] = jax.lax.fori_loop(0, chunks, step, jnp.zeros(o_ref.shape, F32))
+
+
+def _quant_tile_kernel(e_ref, *refs, fmt, n_experts: int, chunks: int, parts: int, with_min: bool):
+    # e_ref [1] int32; then x: `parts` bf16 refs [BM, K] that sum to it, or (parts 0) its int8
+    # Q8_1 quants [BM, K] and their block scales xd_ref [K / 32, BM]; xs_ref [K / W, BM] f32 sums
+    # of x over each plane's columns (with_min only); w_refs [E, ...] blocks; o_ref [BM, BN]
+    n_x = max(parts, 1)
+    x_refs, refs = refs[:n_x], refs[n_x:]
+    xd_ref, refs = (None, refs) if parts else (refs[0], refs[1:])
+    xs_ref, refs = (refs[0], refs[1:]) if with_min else (None, refs)
+    *w_refs, o_ref = refs
+    e = e_ref[0]
+
+    @pl.when(e >= 0)
+    def _():
+        views = [_ExpertView(r, jnp.minimum(e, n_experts - 1)) for r in w_refs]
+
+        def step(c, acc):
+            for plane in fmt.planes(c, views):
+                cols = pl.ds(plane.col, fmt.width)
+                if parts:
+                    q = plane.quants(jnp.bfloat16)  # [BN, W], exact
+                    products = [jax.lax.dot_general(x_ref[:, cols], q, _NT, preferred_element_type=F32)
+                                for x_ref in x_refs]  # [BM, BN] each
+                    dot = functools.reduce(jnp.add, products)  # not sum(): IEEE keeps its 0 + first
+                else:  # integer products, exact; then the rows' block scales
+                    q, xt = plane.ints(), x_refs[0][:, cols]  # [BN, W], [BM, W]
+                    if fmt.width < 32:  # int8 products take K = 32 (K = 16 doubled on the H100)
+                        block = jax.lax.div(plane.col, 32) * 32
+                        q, xt = _in_q8_block(q, plane.col), x_refs[0][:, pl.ds(block, 32)]
+                    dot = jax.lax.dot_general(xt, q.astype(jnp.int8), _NT, preferred_element_type=jnp.int32)
+                    dot = dot.astype(F32) * xd_ref[plane.col // 32, :][:, None]  # [BM, BN]
+                acc = acc + dot * plane.scale[None, :]
+                if plane.min is not None:
+                    xs = xs_ref[plane.col // fmt.width, :]  # [BM]
+                    acc = acc - xs[:, None] * plane.min[None, :]
+            return acc
+
+        o_ref[...] = jax.lax.fori_loop(0, chunks, step, jnp.zeros(o_ref.shape, F32))
+
+
+def _in_q8_block(q: jax.Array, col) -> jax.Array:
+    """A plane's quants [BN, W] (W < 32) placed in the columns they take in their Q8_1 block of
+    32, zeros elsewhere: [BN, 32]. A product over the whole block then adds the plane alone."""
+    n, w = q.shape
+    slot = jax.lax.broadcasted_iota(jnp.int32, (1, 32 // w, 1), 1)  # [1, 32 / W, 1]
+    mine = jax.lax.div(jax.lax.rem(col, 32), w)  # col >= 0: lax's truncating ops, no jnp floor fix-ups
+    spread = jnp.where(slot == mine, q[:, None, :], 0)  # [BN, 32 / W, W]
+    return spread.reshape(n, 32)
+
+
+def _bf16_parts(x: jax.Array, parts: int) -> list[jax.Array]:
+    """x [M, K] as ``parts`` bf16 arrays whose sum is x to 2^-(8 parts) of each element.
+
+    Each part is rounded by integer ops: XLA on a GPU allows excess precision and may fold
+    ``f32(bf16(v))`` back to ``v``, which made every remainder 0 (measured: q-bf16x2 erred as
+    much as q-bf16 on the H100)."""
+    out, rest = [], x.astype(F32)
+    for _ in range(parts):
+        bits = jax.lax.bitcast_convert_type(rest, jnp.uint32)
+        # to the nearest bf16, ties to even
+        bits = (bits + jnp.uint32(0x7FFF) + ((bits >> 16) & 1)) & jnp.uint32(0xFFFF0000)
+        head = jax.lax.bitcast_convert_type(bits, F32)  # a bf16 value, held in f32
+        out.append(head.astype(jnp.bfloat16))  # exact
+        rest = rest - head  # exact
+    return out
+
+
+def _quant_tile_inputs(x: jax.Array, parts: int, width: int, with_min: bool):
+    """What ``_quant_tile_kernel`` reads of x [M, K], in its order, as (row tiles [M, K], column
+    blocks [K / W, M]): the bf16 parts, or the int8 Q8_1 quants and their scales [K / 32, M];
+    then, with mins, the plane sums of what the products see (x itself, or the Q8_1 values
+    ``d * q``, from their integer sums)."""
+    m, k = x.shape
+    if parts:
+        rows, cols = _bf16_parts(x, parts), []
+        sums = x.astype(F32).reshape(m, k // width, width).sum(axis=2)  # [M, K / W]
+    else:
+        q8 = quantize_q8_1(x)
+        rows, cols = [q8_1_ints(q8.qs).reshape(m, k).astype(jnp.int8)], [q8.d.T]
+        sums = q8.d * (q8.sums[:, 0::2] + q8.sums[:, 1::2]).astype(F32)  # [M, K / 32]: W is 32 where mins are
+    return rows, cols + ([sums.T] if with_min else [])
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
@@ -146,36 +251,49 @@ def moe_gemm(x: jax.Array, w: PackedWeight, tile_experts: jax.Array, *, config: 
         (``config.wide``: planes only).
       tile_experts: int32 ``[M / block_m]``, each tile's expert, -1 to skip the tile.
       config: launch parameters; ``block_n`` shrinks to the largest power-of-two divisor of N.
-      interpret: run with the Pallas interpreter (CPU tests; products at f32 HIGHEST).
+      interpret: run with the Pallas interpreter (CPU tests; f32 tiles multiply at f32 HIGHEST, quant
+        tiles as on the GPU).
     Returns:
       float32 ``[M, N]``.
     """
     qtype = check_stacked(w, "moe_gemm")
-    if config.precision not in _ALGORITHMS:
-        raise ValueError(f"moe_gemm: precision {config.precision!r} is not one of {sorted(_ALGORITHMS)}")
+    if config.precision not in _ALGORITHMS and config.precision not in QUANT_TILES:
+        raise ValueError(f"moe_gemm: precision {config.precision!r} is not one of "
+                         f"{sorted(_ALGORITHMS) + sorted(QUANT_TILES)}")
     n_exp, n, k = w.shape
     bm = config.block_m
     if x.ndim != 2 or x.shape[1] != k or x.shape[0] % bm or tile_experts.shape != (x.shape[0] // bm,):
         raise ValueError(f"moe_gemm: x must be [M, {k}] with M a multiple of {bm} and tile_experts [M/{bm}], "
                          f"got {x.shape} and {tile_experts.shape}")
-    if config.wide and w.layout != "planes":
-        raise ValueError(f"moe_gemm: wide=True builds whole planes-layout chunks; a {w.layout}-layout weight "
-                         "takes wide=False")
+    quant_tiles = config.precision in QUANT_TILES
+    if config.wide and (w.layout != "planes" or quant_tiles):
+        raise ValueError(f"moe_gemm: wide=True builds whole planes-layout f32 chunks; a {w.layout}-layout weight "
+                         f"at precision {config.precision!r} takes wide=False")
     fmt = format_of(w.layout, qtype)
     bn = _largest_divisor(n, config.block_n, pow2=True)
     arrays, specs = _operands(w, bn)
-    algorithm = jax.lax.Precision.HIGHEST if interpret else _ALGORITHMS[config.precision]
-    kernel = functools.partial(_gemm_kernel, fmt=fmt, n_experts=n_exp, chunks=k // fmt.chunk, algorithm=algorithm,
-                               wide=config.wide and fmt.chunk_tile is not None)
+    x_spec = pl.BlockSpec((bm, k), lambda t, i: (t, 0))  # this tile's rows of x
+    if quant_tiles:
+        parts, with_min = QUANT_TILES[config.precision], qtype in (T.Q4_K, T.Q5_K)
+        rows, cols = _quant_tile_inputs(x, parts, fmt.width, with_min)
+        xs = rows + cols
+        x_specs = [x_spec] * len(rows) + [pl.BlockSpec((a.shape[0], bm), lambda t, i: (0, t)) for a in cols]
+        kernel = functools.partial(_quant_tile_kernel, fmt=fmt, n_experts=n_exp, chunks=k // fmt.chunk,
+                                   parts=parts, with_min=with_min)
+    else:
+        xs, x_specs = [x], [x_spec]
+        algorithm = jax.lax.Precision.HIGHEST if interpret else _ALGORITHMS[config.precision]
+        kernel = functools.partial(_gemm_kernel, fmt=fmt, n_experts=n_exp, chunks=k // fmt.chunk,
+                                   algorithm=algorithm, wide=config.wide and fmt.chunk_tile is not None)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((x.shape[0], n), F32),
         grid=(x.shape[0] // bm, n // bn),
         in_specs=[pl.BlockSpec((1,), lambda t, i: (t,)),  # this tile's expert
-                  pl.BlockSpec((bm, k), lambda t, i: (t, 0)),  # this tile's rows of x
+                  *x_specs,
                   *specs],
         out_specs=pl.BlockSpec((bm, bn), lambda t, i: (t, i)),
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name=_kernel_name("moe_gemm", w.layout, qtype),
-    )(tile_experts.astype(jnp.int32), x, *arrays)
+    )(tile_experts.astype(jnp.int32), *xs, *arrays)

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -58,7 +59,7 @@ __all__ = ["GemvConfig", "format_of", "pick_config", "qgemv", "qgemv_many", "rou
 class _Format:
     chunk: int  # elements of a row per chunk
     width: int  # columns W of a plane tile (= accumulator width)
-    # (c, refs) -> iterable of (col, w): chunk c's float32 [BN, W] tiles, w = columns col..col+W
+    # (c, refs) -> iterable of Plane: chunk c's [BN, W] tiles, columns col..col+W
     # (the planes of a chunk in the planes layout, its sub-blocks in the ggml one)
     planes: object
     chunk_tile: object = None  # (c, refs) -> float32 [BN, chunk]: the whole chunk at once, where built
@@ -67,6 +68,31 @@ class _Format:
 def _as_f32(q: jax.Array, offset: float = TWO23) -> jax.Array:
     """int32 q in [0, 2^23) -> float32 (q + TWO23 - offset), exact (full-rate ALU ops only)."""
     return jax.lax.bitcast_convert_type(q | MAGIC, F32) - offset
+
+
+class Plane(NamedTuple):
+    """W columns of BN weight rows sharing one scale per row: weight = scale * (q - bias) - min."""
+
+    col: object  # int or traced int32: the first column of the row it covers
+    q: jax.Array  # int32 [BN, W], the stored quants, in [0, 2^8)
+    bias: float  # what the stored quants are offset by (128 for Q8_0's int8, 32 for Q6_K, else 0)
+    scale: jax.Array  # float32 [BN]: d, or d * sub-block scale (exact products)
+    min: jax.Array | None  # float32 [BN]: dmin * sub-block min (Q4_K, Q5_K), else None
+
+    def weights(self) -> jax.Array:
+        """float32 [BN, W], the dequantized values, equal to ``dequantize`` bit for bit (one
+        rounding where a min is subtracted, as in ggml)."""
+        w = self.scale[:, None] * _as_f32(self.q, TWO23 + self.bias)
+        return w if self.min is None else w - self.min[:, None]
+
+    def ints(self) -> jax.Array:
+        """``q - bias``, int32 [BN, W], in [-128, 128)."""
+        return self.q - int(self.bias)
+
+    def quants(self, dtype) -> jax.Array:
+        """``q - bias`` as ``dtype`` [BN, W]: exact in any float type of at least 8 significant
+        bits (bf16 and up)."""
+        return _as_f32(self.q, TWO23 + self.bias).astype(dtype)
 
 
 def _fma_rows(accs, w, x_ref, col, width):
@@ -83,9 +109,8 @@ def _q8_0_planes(c, refs):
     words = qs_ref[:, pl.ds(c * 32, 32)]  # [BN, 32]: byte p of word j = block 4c+p, element j
     for p in range(4):
         d = d_ref[c * 4 + p, :].astype(F32)  # [BN]
-        # XOR 0x80 maps the int8 byte to q + 128 in 0..255, then subtract it back in float
-        q = _as_f32(((words >> (8 * p)) & 0xFF) ^ 0x80, TWO23 + 128.0)
-        yield c * 128 + p * 32, d[:, None] * q
+        q = ((words >> (8 * p)) & 0xFF) ^ 0x80  # XOR 0x80 maps the int8 byte to q + 128 in 0..255
+        yield Plane(c * 128 + p * 32, q, 128.0, d, None)
 
 
 def _k4_scales(c, sc_ref, dm_ref):
@@ -116,7 +141,7 @@ def _k4_planes(c, refs, with_qh):
         q = (words >> (4 * p)) & 0xF
         if with_qh:
             q = q | (((qh >> p) & 1) << 4)
-        yield c * 256 + p * 32, dl[:, None] * _as_f32(q) - ml[:, None]  # [BN, 32]
+        yield Plane(c * 256 + p * 32, q, 0.0, dl, ml)  # [BN, 32]
 
 
 def _q6_k_planes(c, refs):
@@ -130,7 +155,7 @@ def _q6_k_planes(c, refs):
             s = 8 * h + p  # sub-block
             dl = d * _q6_scale(scw, s).astype(F32)  # [BN]
             q = ((words >> (4 * p)) & 0xF) | (((hi >> (16 * h + 2 * p)) & 3) << 4)
-            yield c * 256 + h * 128 + p * 16, dl[:, None] * _as_f32(q, TWO23 + 32.0)  # quants biased by 32
+            yield Plane(c * 256 + h * 128 + p * 16, q, 32.0, dl, None)  # [BN, 16], quants biased by 32
 
 
 def _k4_chunk(c, refs, with_qh):
@@ -183,8 +208,8 @@ def _q8_0_ggml(c, refs):
         blk = 4 * c + p  # ggml block: 32 elements, one scale
         words = qs_ref[:, pl.ds(blk * 8, 8)]  # [BN, 8]
         d = d_ref[blk, :].astype(F32)  # [BN]
-        q = _as_f32(_byte_fields(words, 0, 0xFF) ^ 0x80, TWO23 + 128.0)  # int8 biased by 128, as planes
-        yield blk * 32, d[:, None] * q  # [BN, 32]
+        q = _byte_fields(words, 0, 0xFF) ^ 0x80  # int8 biased by 128, as planes
+        yield Plane(blk * 32, q, 128.0, d, None)  # [BN, 32]
 
 
 def _k4_ggml(c, refs, with_qh):
@@ -200,7 +225,7 @@ def _k4_ggml(c, refs, with_qh):
             if with_qh:
                 q = q | (_byte_fields(qh, p, 1) << 4)
             dl, ml = scales(p)  # [BN]
-            yield c * 256 + p * 32, dl[:, None] * _as_f32(q) - ml[:, None]  # [BN, 32]
+            yield Plane(c * 256 + p * 32, q, 0.0, dl, ml)  # [BN, 32]
 
 
 def _q6_k_ggml(c, refs):
@@ -216,7 +241,7 @@ def _q6_k_ggml(c, refs):
         for m in range(8):  # the planes body's order: the same sequence of additions into the accumulators
             q = _byte_fields(lows[m % 4], 4 * (m // 4), 0xF) | (_byte_fields(his[m % 2], 2 * (m // 2), 3) << 4)
             dl = d * _q6_scale(scw, 8 * h + m).astype(F32)  # [BN]
-            yield c * 256 + h * 128 + m * 16, dl[:, None] * _as_f32(q, TWO23 + 32.0)  # [BN, 16], biased by 32
+            yield Plane(c * 256 + h * 128 + m * 16, q, 32.0, dl, None)  # [BN, 16], biased by 32
 
 
 GGML_FORMATS = {
@@ -251,8 +276,8 @@ def _accumulate(x_ref, w_refs, *, fmt: _Format, bn: int, nrows: int, steps: int,
 
     def step(i, accs):
         for u in range(per_step):  # unrolled: the loads of all chunks of a step issue together
-            for col, w in fmt.planes(first + i * per_step + u, w_refs):
-                accs = _fma_rows(accs, w, x_ref, col, fmt.width)
+            for plane in fmt.planes(first + i * per_step + u, w_refs):
+                accs = _fma_rows(accs, plane.weights(), x_ref, plane.col, fmt.width)
         return accs
 
     accs = jax.lax.fori_loop(0, steps, step, accs)
