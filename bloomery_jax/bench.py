@@ -128,11 +128,11 @@ def run_parallel(model, args, parallel: int, progress, rng) -> tuple[list[dict],
     engine = Engine(model, n_slots=parallel, max_context=ctx, ubatch=min(args.ubatch, 4096),
                     kv_dtype=args.kv_dtype, residency=residency_from_args(model, args),
                     routing_trace=make_trace(model, args))
+    greedy = SamplingParams(temperature=0.0)  # llama-bench samples nothing: ours takes the argmax alone
     compile_s = engine.warmup(progress.update, chunks=_chunks_used(engine, depth, max(p, 1)),
                               buckets=[bucket_for(engine.buckets, parallel)],
-                              decode_block=args.decode_block)
+                              decode_block=args.decode_block, samplers=[greedy])
     progress.done(f"parallel {parallel}: compiled in {compile_s:.2f} s")
-    greedy = SamplingParams(temperature=0.0)
     pp, tg, edges = [], [], []
     for rep in range(args.reps + 1):
         label = "warm-up" if rep == 0 else f"rep {rep}/{args.reps}"

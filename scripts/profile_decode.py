@@ -66,13 +66,14 @@ def timed_steps(engine, seq, n: int, block: int = 1) -> tuple[list[float], list[
     dispatch, total = [], []
     for _ in range(n // block):
         tokens, positions, active = decode_inputs(engine, seq)
+        plan = engine.sampler_plan([seq])  # as the engine's own decode: greedy, the argmax alone
         t0 = time.perf_counter()
         if block == 1:
             engine.cache, engine.sampler, out, _, engine.last_routing = engine.steps.decode(
-                engine.params, engine.cache, engine.sampler, engine.placement, tokens, positions, active)
+                engine.params, engine.cache, engine.sampler, engine.placement, tokens, positions, active, plan)
         else:
             engine.cache, engine.sampler, out, engine.last_routing = engine.steps.decode_block(
-                engine.params, engine.cache, engine.sampler, engine.placement, tokens, positions, active, block)
+                engine.params, engine.cache, engine.sampler, engine.placement, tokens, positions, active, block, plan)
         t1 = time.perf_counter()
         new = np.asarray(jax.device_get(out.token)).reshape(block, -1)[:, 0].tolist()  # [block] tokens of row 0
         t2 = time.perf_counter()

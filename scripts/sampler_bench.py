@@ -1,8 +1,9 @@
 """The sampler's draw with its cuts found by a sort or by the key search, at Qwen3's vocabulary.
 
 Times ``sample_tokens`` (branch-free, every row sampling with top-k 40 and top-p 0.9) for each
-batch size, cut method and search digit width; us per call = median over --reps samples of
---calls back-to-back calls. Prints a line each and writes JSON to --json.
+batch size, cut method and search digit width, then a decode step's whole ``sample`` under the
+full and the greedy plan; us per call = median over --reps samples of --calls back-to-back
+calls. Prints a line each and writes JSON to --json.
 
   python scripts/sampler_bench.py --json $OUT/sampler.json          # GPU
 """
@@ -22,6 +23,20 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bloomery_jax.engine import sampling as S  # noqa: E402
+
+
+def timed_us(f, args, reps: int, calls: int) -> float:
+    """Median over ``reps`` samples of the time of one call, from ``calls`` back-to-back calls
+    (after one untimed call, which compiles)."""
+    jax.block_until_ready(f(*args))
+    samples = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        for _ in range(calls):
+            y = f(*args)
+        jax.block_until_ready(y)
+        samples.append((time.perf_counter() - t) / calls * 1e6)
+    return statistics.median(samples)
 
 
 def main() -> int:
@@ -45,15 +60,17 @@ def main() -> int:
                 S.SEARCH_DIGIT_BITS = digits  # read at trace time
             f = jax.jit(lambda x, r, s=(method == "search"): S.sample_tokens(x, r, branch_free=True, search=s))
             tokens[(method, digits)] = np.asarray(f(x, rows))
-            samples = []
-            for _ in range(a.reps):
-                t = time.perf_counter()
-                for _ in range(a.calls):
-                    y = f(x, rows)
-                y.block_until_ready()
-                samples.append((time.perf_counter() - t) / a.calls * 1e6)
-            r = dict(batch=B, method=method, digit_bits=digits, us=statistics.median(samples),
+            r = dict(batch=B, method=method, digit_bits=digits, us=timed_us(f, (x, rows), a.reps, a.calls),
                      same_tokens_as_sort=bool(np.array_equal(tokens[(method, digits)], tokens[("sort", None)])))
+            print(r, flush=True)
+            results.append(r)
+        # A decode step's whole sampler (tokens, logprobs, top-n) under each plan: the full one
+        # (the search's default digits, branch-free, top-20) and the greedy one (argmax alone)
+        S.SEARCH_DIGIT_BITS = int(a.digits.split(",")[0])
+        for plan in (S.Plan(draw=True, n_top=S.MAX_N_PROBS), S.Plan(draw=False, n_top=0)):
+            f = jax.jit(lambda x, r, plan=plan: S.sample(x, r, plan.n_top, plan.draw))
+            r = dict(batch=B, method="plan-full" if plan.draw else "plan-greedy", digit_bits=None,
+                     us=timed_us(f, (x, rows), a.reps, a.calls))
             print(r, flush=True)
             results.append(r)
     if a.json:

@@ -1,7 +1,8 @@
 """Bit gates of the engine on a synthetic qwen3moe F32 model (CPU, f32).
 
 1. A batched prefill leaves the same cache and logits as feeding one token per step.
-2. A sequence decoded beside others gives the same greedy tokens (and logits) as decoded alone.
+2. A sequence decoded beside others gives the same greedy tokens (and log-probabilities) as decoded
+   alone, although alone its batch takes the greedy sampler plan and beside sampling rows the full one.
 3. Rollback then re-decode equals never having decoded.
 4. A decode step's outputs keep their device addresses from step to step (each step donates the
    previous one's), without compiling anything again.
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 
 from bloomery_jax.engine.engine import Engine
-from bloomery_jax.engine.sampling import SamplingParams
+from bloomery_jax.engine.sampling import Plan, SamplingParams
 from bloomery_jax.models.loader import load_model
 
 SHAPE = dict(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, n_experts=8, n_experts_used=2,
@@ -126,9 +127,9 @@ def test_decoded_beside_others_equals_alone(fresh):
     toks = prompt(3, 20)
     alone = eng.add(toks, GREEDY)
     run_prefill(eng, alone)
-    logits_alone, tokens_alone = [], []
-    for _ in range(8):  # bucket 2: one live row and one padding row
-        tokens_alone.append(eng.decode([alone])[0].token)
+    # bucket 2: one live row and one padding row; a greedy batch takes the greedy plan (argmax alone)
+    alone_out = [eng.decode([alone])[0] for _ in range(8)]
+    assert (2, Plan(draw=False, n_top=0)) in eng.steps._spare
     eng.release(alone)
     # Beside three others (one greedy, two sampling, different lengths) in bucket 4.
     others = [eng.add(prompt(10 + i, n), SamplingParams(temperature=t, seed=i, top_p=0.9))
@@ -137,8 +138,10 @@ def test_decoded_beside_others_equals_alone(fresh):
         run_prefill(eng, o)
     seq = eng.add(toks, GREEDY)
     run_prefill(eng, seq)
-    tokens_beside = [eng.decode(others + [seq])[-1].token for _ in range(8)]
-    assert tokens_beside == tokens_alone
+    beside_out = [eng.decode(others + [seq])[-1] for _ in range(8)]  # the full plan: two rows sample
+    assert (4, eng.steps.full) in eng.steps._spare
+    assert [x.token for x in beside_out] == [x.token for x in alone_out]
+    np.testing.assert_allclose([x.logprob for x in beside_out], [x.logprob for x in alone_out], rtol=1e-6, atol=1e-6)
 
 
 def test_rollback_then_redecode_equals_never_decoded(fresh):
@@ -197,7 +200,7 @@ def test_decode_outputs_keep_their_addresses(fresh):
     for i in range(4):
         eng.cache, eng.sampler, *_ = eng.steps.decode(eng.params, eng.cache, eng.sampler, None, tokens,
                                                       positions + i, active)
-        addresses.append([x.unsafe_buffer_pointer() for x in jax.tree.leaves(eng.steps._spare[2])])
+        addresses.append([x.unsafe_buffer_pointer() for x in jax.tree.leaves(eng.steps._spare[(2, eng.steps.full)])])
         if i == 0:
             compiled = _decode._cache_size()
     assert len(addresses[0]) >= 5 and all(a == addresses[0] for a in addresses[1:]), addresses

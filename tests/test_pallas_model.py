@@ -253,7 +253,8 @@ def test_decode_block_lowers_graph_ready_for_h200(q4km, monkeypatch):
     sampler = sampling.make_rows([sampling.row_arrays(sampling.SamplingParams(temperature=0.8, top_p=0.9),
                                                       model.cfg.n_vocab)] * rows)
     block = lambda params, cache, sampler, placement, tokens, positions, active: steps._decode_steps(  # noqa: E731
-        model.module.forward, model.cfg, 20, 4, params, cache, sampler, placement, tokens, positions, active)
+        model.module.forward, model.cfg, sampling.Plan(draw=True, n_top=20), 4, params, cache, sampler, placement, tokens,
+        positions, active)
     args = (model.params, cache, sampler, model.placement, jnp.zeros(rows, jnp.int32), jnp.full(rows, 5, jnp.int32),
             jnp.ones(rows, bool))
     built = triton_kernels(monkeypatch, block, *args)

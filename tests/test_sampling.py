@@ -23,7 +23,7 @@ V = 64
 B = 8
 _probs = jax.jit(S.sampling_probs, static_argnames="search")
 _processed = jax.jit(S.processed_logits)
-_sample = jax.jit(S.sample, static_argnames="n_top")
+_sample = jax.jit(S.sample, static_argnames=("n_top", "draw"))
 
 
 def ref_processed(logits, p: S.SamplingParams, prompt, generated):
@@ -191,6 +191,39 @@ def test_greedy_rows_unchanged_by_sampling_rows_beside_them():
     assert np.array_equal(a, np.argmax(np.asarray(logits), axis=1))
 
 
+def test_greedy_plan_takes_the_full_plans_tokens():
+    """The greedy plan (argmax alone) against the full sampler, with bias and penalties in play:
+    the same tokens and the same chosen logprobs, no top-n report."""
+    rng = np.random.default_rng(6)
+    raw = rng.standard_normal((B, V)).astype(np.float32) * 2
+    logits, top = jnp.asarray(raw), np.argmax(raw, axis=1)
+    # each row's raw argmax loses: banned, penalised as a prompt token (and generated), or outbid
+    cases = [(S.SamplingParams(temperature=0.0, logit_bias={int(top[b]): -np.inf}), (), ()) if b % 3 == 0 else
+             (S.SamplingParams(temperature=0.0, repetition_penalty=4.0, presence_penalty=2.0),
+              [int(top[b])], [int(top[b])]) if b % 3 == 1 else
+             (S.SamplingParams(temperature=0.0, logit_bias={(int(top[b]) + 1) % V: 10.0}), (), ())
+             for b in range(B)]
+    full = _sample(logits, rows_of(cases), n_top=4)
+    assert not np.any(np.asarray(full.token) == top)
+    greedy = _sample(logits, rows_of(cases), n_top=0, draw=False)
+    assert np.array_equal(greedy.token, full.token)
+    assert np.array_equal(greedy.logprob, full.logprob)
+    assert greedy.top_ids.shape == (B, 0) and greedy.top_logprobs.shape == (B, 0)
+    x = np.stack([ref_processed(np.asarray(logits)[b], *cases[b]) for b in range(B)])
+    assert np.array_equal(greedy.token, np.argmax(x, axis=1))
+
+
+@pytest.mark.parametrize("settings, greedy", [
+    ([dict(temperature=0.0)] * 3, True),
+    ([dict(temperature=0.0), dict(temperature=0.0, top_k=5, top_p=0.5)], True),  # cuts unused when greedy
+    ([dict(temperature=0.0), dict(temperature=0.7)], False),
+    ([dict(temperature=0.0, n_probs=1)], False),  # a top-n report needs the full plan
+])
+def test_plan_for_a_batch(settings, greedy):
+    plan = S.plan_for([S.SamplingParams(**k) for k in settings], n_top=20)
+    assert plan == (S.Plan(draw=False, n_top=0) if greedy else S.Plan(draw=True, n_top=20))
+
+
 @pytest.mark.parametrize("greedy_rows", [B, B // 2])
 def test_branch_free_sampler_draws_the_same_tokens(greedy_rows):
     # The GPU's sampler (no conditional) against the branching one, all-greedy and mixed batches.
@@ -314,3 +347,25 @@ def test_gpu_sampler_lowers_without_long_sorts_or_branches(monkeypatch):
         assert op not in text, op
     widths = [int(m) for m in re.findall(r"chlo\.top_k\(%\w+, k = \d+\) : tensor<[\dx]*?(\d+)xf32>", text)]
     assert widths and max(widths) <= S.TOP_K_TILE, widths
+
+
+def test_greedy_plan_lowers_to_a_few_reductions(monkeypatch):
+    """The greedy plan on the GPU: no random bits, no top-k, and three reductions over the row
+    (argmax, and log_softmax's max and sum) where the full plan launches dozens. These are the
+    ~0.27 ms of an 8-layer decode token on the H100 (2026-12-05 trace) that a greedy batch
+    without logprobs does not need."""
+    from triton_lowering import lowered_for_h200
+
+    monkeypatch.setattr(S, "SEARCH_PLATFORMS", ("gpu", jax.default_backend()))
+    monkeypatch.setattr(S, "BRANCH_FREE_PLATFORMS", ("gpu", jax.default_backend()))
+    vocab = 151936
+    rows = S.make_rows([S.row_arrays(S.SamplingParams(temperature=0.0), vocab)] * 4)
+    logits = jax.ShapeDtypeStruct((4, vocab), jnp.float32)
+    # reductions whose operand is a whole row (a gather's bounds check reduces a [4, 1, 1] too)
+    reductions = lambda text: len(re.findall(rf"stablehlo\.reduce\(.*tensor<4x{vocab}x", text))  # noqa: E731
+    greedy = lowered_for_h200(lambda x, r: S.sample(x, r, n_top=0, draw=False), logits, rows)
+    full = lowered_for_h200(lambda x, r: S.sample(x, r, n_top=20), logits, rows)
+    for op in ("threefry", "chlo.top_k"):
+        assert op not in greedy and op in full, op
+    # text, not launches: the full plan's digit search is one function called per digit
+    assert reductions(greedy) == 3 < reductions(full), (reductions(greedy), reductions(full))

@@ -224,7 +224,7 @@ class Engine:
             return []
         tokens, positions, active = self._decode_inputs(seqs)
         self.cache, self.sampler, out, _, self.last_routing = self.steps.decode(
-            self.params, self.cache, self.sampler, self.placement, tokens, positions, active)
+            self.params, self.cache, self.sampler, self.placement, tokens, positions, active, self.sampler_plan(seqs))
         for s in seqs:
             s.n_cached += 1
         self._observe_routing(active[:, None])
@@ -241,7 +241,7 @@ class Engine:
             return [self.decode(seqs) for _ in range(n)]
         tokens, positions, active = self._decode_inputs(seqs, n)
         self.cache, self.sampler, out, routing = self.steps.decode_block(
-            self.params, self.cache, self.sampler, self.placement, tokens, positions, active, n)
+            self.params, self.cache, self.sampler, self.placement, tokens, positions, active, n, self.sampler_plan(seqs))
         self.last_routing = jax.tree.map(lambda a: a[-1], routing)
         experts = np.asarray(routing.experts) if self._routing_read() else None  # [n, L, b, 1, k]
         host_out = jax.device_get(out)  # [n, b, ...] each
@@ -254,6 +254,11 @@ class Engine:
                 self._observe_routing(active[:, None], experts=experts[j], swap=j == n - 1)
             result.append(self._sampled(seqs, [field[j] for field in host_out], rows))
         return result
+
+    def sampler_plan(self, seqs) -> sampling.Plan:
+        """The sampler plan of a decode batch: only its sequences' settings count (padding rows'
+        tokens are never read)."""
+        return sampling.plan_for([s.params for s in seqs], self.n_top)
 
     def _decode_inputs(self, seqs, n: int = 1):
         """Bucket-shaped decode inputs (tokens, positions, active) for ``seqs``, each of which must
@@ -328,9 +333,12 @@ class Engine:
 
     # --- compilation ------------------------------------------------------------------------
     def warmup(self, progress: Callable[[str], None] | None = None, chunks: Seq[int] | None = None,
-               buckets: Seq[int] | None = None, decode_block: int = 1) -> float:
+               buckets: Seq[int] | None = None, decode_block: int = 1,
+               samplers: Seq[sampling.SamplingParams] | None = None) -> float:
         """Compile every prefill chunk length and decode bucket (or the ones given), and with
         ``decode_block`` > 1 the block of that many decode steps of each bucket; returns seconds.
+        Each decode step compiles for the sampler plans of ``samplers`` (default: a greedy
+        request and a sampled one with logprobs, i.e. both plans).
 
         Runs each step with padding rows only, so the cache and the sampler state are unchanged.
         """
@@ -338,22 +346,26 @@ class Engine:
         S = self.max_context
         chunks = self.chunks if chunks is None else chunks
         buckets = self.buckets if buckets is None else buckets
-        todo = ([("prefill", T) for T in chunks] + [("decode", b) for b in buckets]
-                + [("decode block", b) for b in (buckets if decode_block > 1 else [])])
-        for i, (kind, n) in enumerate(todo):
+        if samplers is None:
+            samplers = [sampling.SamplingParams(temperature=0.0), sampling.SamplingParams(n_probs=1)]
+        plans = sorted({sampling.plan_for([p], self.n_top) for p in samplers})
+        todo = ([("prefill", T, None) for T in chunks] + [("decode", b, p) for b in buckets for p in plans]
+                + [("decode block", b, p) for b in (buckets if decode_block > 1 else []) for p in plans])
+        for i, (kind, n, plan) in enumerate(todo):
             if progress:
-                progress(f"compiling {kind} {n} ({i + 1}/{len(todo)}, {time.perf_counter() - t0:.1f} s)")
+                what = f"{kind} {n}" + ("" if plan is None else f" ({'full' if plan.draw else 'greedy'} sampler)")
+                progress(f"compiling {what} ({i + 1}/{len(todo)}, {time.perf_counter() - t0:.1f} s)")
             if kind == "prefill":
                 res = self.steps.prefill(self.params, self.cache, self.sampler, self.placement,
                                          np.zeros((1, n), np.int32), np.full((1, n), S, np.int32),
                                          np.int32(0), np.int32(0), np.bool_(False))
             elif kind == "decode":
                 res = self.steps.decode(self.params, self.cache, self.sampler, self.placement,
-                                        np.zeros(n, np.int32), np.full(n, S, np.int32), np.zeros(n, bool))
+                                        np.zeros(n, np.int32), np.full(n, S, np.int32), np.zeros(n, bool), plan)
             else:
                 res = self.steps.decode_block(self.params, self.cache, self.sampler, self.placement,
                                               np.zeros(n, np.int32), np.full(n, S, np.int32), np.zeros(n, bool),
-                                              decode_block)
+                                              decode_block, plan)
             self.cache, self.sampler = res[0], res[1]
             jax.block_until_ready(res[2])
         # The slot operations, as no-ops on slot 0, so that admitting and releasing never compile.

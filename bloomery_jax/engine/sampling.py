@@ -105,6 +105,24 @@ class SamplerRows(NamedTuple):
     seen: jax.Array  # [B, V] bool, token occurs in the prompt
 
 
+class Plan(NamedTuple):
+    """What a step's sampler computes, fixed when the step compiles (:func:`plan_for` picks it
+    from the batch's settings, so each plan is one more compilation of the step, not a branch)."""
+
+    draw: bool  # some row may draw at random; False: every row takes the argmax (rule 3)
+    n_top: int  # width of the top log-probability report (0: none)
+
+
+def plan_for(params: Sequence[SamplingParams], n_top: int) -> Plan:
+    """The greedy plan when every row is greedy and asks for no top log-probabilities, else the
+    full plan. Why: a GPU step computes the whole draw and the top-n report branch-free for
+    every batch (:data:`BRANCH_FREE_PLATFORMS`); the H100 trace of 2026-12-05 put that at
+    ~0.27 ms of an 8-layer decode token, of which a greedy batch without logprobs needs none."""
+    if all(p.temperature <= 0 and p.n_probs == 0 for p in params):
+        return Plan(draw=False, n_top=0)
+    return Plan(draw=True, n_top=n_top)
+
+
 class SampleOut(NamedTuple):
     token: jax.Array  # [B] i32
     logprob: jax.Array  # [B] f32, raw log-probability of the chosen token
@@ -288,12 +306,12 @@ def sample_tokens(logits: jax.Array, rows: SamplerRows, branch_free: bool | None
     :data:`BRANCH_FREE_PLATFORMS`). ``search``: as :func:`filtered_logits`. The tokens are the
     same either way: the Gumbel noise is indexed by token id."""
     x = processed_logits(logits, rows)
-    greedy = jnp.argmax(x, axis=1).astype(jnp.int32)
+    greedy = _argmax(x)
 
     def draw(_):
         z = filtered_logits(x, rows, search)
         g = jax.vmap(lambda key: jax.random.gumbel(key, (x.shape[1],), jnp.float32))(_row_keys(rows))
-        drawn = jnp.argmax(z + g, axis=1).astype(jnp.int32)
+        drawn = _argmax(z + g)
         return jnp.where(rows.temperature > 0, drawn, greedy)
 
     if branch_free is None:
@@ -302,6 +320,11 @@ def sample_tokens(logits: jax.Array, rows: SamplerRows, branch_free: bool | None
         return draw(None)
     # An all-greedy batch skips the sort and the noise (most of the sampler's cost).
     return jax.lax.cond(jnp.all(rows.temperature <= 0), lambda _: greedy, draw, None)
+
+
+def _argmax(x: jax.Array) -> jax.Array:
+    """The first index of each row's largest value: [B, V] -> [B] i32."""
+    return jnp.argmax(x, axis=1).astype(jnp.int32)
 
 
 TOP_K_TILE = 512  # row length of each stage of :func:`top_k_tree` (one shared-memory sort on a GPU)
@@ -337,17 +360,19 @@ def top_k_tree(x: jax.Array, k: int, tile: int = TOP_K_TILE) -> tuple[jax.Array,
     return values, jnp.take_along_axis(ids, where, axis=1)
 
 
-def sample(logits: jax.Array, rows: SamplerRows, n_top: int = MAX_N_PROBS) -> SampleOut:
+def sample(logits: jax.Array, rows: SamplerRows, n_top: int = MAX_N_PROBS, draw: bool = True) -> SampleOut:
     """Sample one token per row and report log-probabilities.
 
     Args:
       logits: [B, V] model logits of the position to sample.
       rows: the rows' settings and token statistics, B rows.
       n_top: static width of the top-n report (0 = none).
+      draw: static; False takes every row's argmax (rules 1-3) without forming the draw, for a
+        batch whose rows are all greedy (:func:`plan_for`): the same tokens for those rows.
     Returns:
       SampleOut with token [B], its raw logprob [B], top_ids / top_logprobs [B, n_top].
     """
-    token = sample_tokens(logits, rows)
+    token = sample_tokens(logits, rows) if draw else _argmax(processed_logits(logits, rows))
     lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=1)  # [B, V]
     chosen = jnp.take_along_axis(lp, token[:, None], axis=1)[:, 0]
     if n_top > 0:

@@ -18,7 +18,10 @@ device, and return the cache and sampler state, which are donated (updated in pl
 
 Each returns ``(cache, sampler, SampleOut, logits of the sampled positions, routing)``. Shapes
 are static per chunk length T and bucket b; slots, positions and flags are traced, so requests
-coming and going never recompile.
+coming and going never recompile. The decode steps take a static sampler plan
+(:class:`~bloomery_jax.engine.sampling.Plan`): a batch of greedy rows without logprobs takes the
+argmax alone, any other batch the full sampler, so each bucket compiles at most twice. Prefill
+samples one row a prompt and always takes the full plan.
 
 A decode step's outputs (SampleOut, logits, routing) live until the next decode step of the
 same bucket, which donates their buffers to hold its own: every output then keeps one device
@@ -43,39 +46,42 @@ from .cache import SlotCache
 class StepFunctions:
     """The compiled prefill and decode steps of one model.
 
-    The jitted functions are module-level with ``forward``, ``cfg`` and ``n_top`` static, so
-    every Engine over the same model shares one compilation per shape.
+    The jitted functions are module-level with ``forward``, ``cfg`` and the sampler plan static,
+    so every Engine over the same model shares one compilation per shape and plan.
 
     Args:
       forward: the architecture's forward function.
       cfg: its static (hashable) Config.
-      n_top: width of the top log-probability report (static).
+      n_top: width of the top log-probability report (static): the full plan's.
     """
 
     def __init__(self, forward, cfg, n_top: int):
         self.forward = forward
         self.cfg = cfg
-        self.n_top = n_top
-        self._spare: dict = {}  # bucket (or block key) -> the last decode's outputs, donated to the next
+        self.full = sampling.Plan(draw=True, n_top=n_top)
+        self._spare: dict = {}  # (bucket or block key, plan) -> the last decode's outputs, donated to the next
 
     def prefill(self, params, cache, sampler, placement, tokens, positions, slot, last, final):
-        return _prefill(self.forward, self.cfg, self.n_top, params, cache, sampler, placement,
+        return _prefill(self.forward, self.cfg, self.full, params, cache, sampler, placement,
                         tokens, positions, slot, last, final)
 
-    def decode(self, params, cache, sampler, placement, tokens, positions, active):
+    def decode(self, params, cache, sampler, placement, tokens, positions, active, plan=None):
+        """One decode step under ``plan`` (None: the full sampler)."""
+        plan = plan or self.full
         args = (params, cache, sampler, placement, tokens, positions, active)
-        b = int(np.shape(tokens)[0])
-        spare = self._take_spare(b, lambda *a: _decode_step(self.forward, self.cfg, self.n_top, *a)[2:], args)
-        cache, sampler, out, logits, routing = _decode(self.forward, self.cfg, self.n_top, *args, spare)
-        self._spare[b] = (out, logits, routing)
+        key = (int(np.shape(tokens)[0]), plan)
+        spare = self._take_spare(key, lambda *a: _decode_step(self.forward, self.cfg, plan, *a)[2:], args)
+        cache, sampler, out, logits, routing = _decode(self.forward, self.cfg, plan, *args, spare)
+        self._spare[key] = (out, logits, routing)
         return cache, sampler, out, logits, routing
 
-    def decode_block(self, params, cache, sampler, placement, tokens, positions, active, n: int):
+    def decode_block(self, params, cache, sampler, placement, tokens, positions, active, n: int, plan=None):
         """n decode steps: ``(cache, sampler, SampleOut [n, ...], routing [n, ...])``."""
+        plan = plan or self.full
         args = (params, cache, sampler, placement, tokens, positions, active)
-        key = ("block", int(np.shape(tokens)[0]), n)
-        spare = self._take_spare(key, lambda *a: _decode_steps(self.forward, self.cfg, self.n_top, n, *a)[2:], args)
-        cache, sampler, out, routing = _decode_block(self.forward, self.cfg, self.n_top, n, *args, spare)
+        key = ("block", int(np.shape(tokens)[0]), n, plan)
+        spare = self._take_spare(key, lambda *a: _decode_steps(self.forward, self.cfg, plan, n, *a)[2:], args)
+        cache, sampler, out, routing = _decode_block(self.forward, self.cfg, plan, n, *args, spare)
         self._spare[key] = (out, routing)
         return cache, sampler, out, routing
 
@@ -98,29 +104,29 @@ class StepFunctions:
         return _move_row(sampler, src, dst)
 
 
-_STATIC = ("forward", "cfg", "n_top")
+_STATIC = ("forward", "cfg", "plan")
 _DONATE = ("cache", "sampler")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=_DONATE)
-def _prefill(forward, cfg, n_top, params, cache: SlotCache, sampler, placement, tokens, positions, slot, last,
+def _prefill(forward, cfg, plan, params, cache: SlotCache, sampler, placement, tokens, positions, slot, last,
              final):
     n_slots = cache.n_slots
     # Only row ``last`` is sampled: the model computes logits for that row alone, not [1, T, V].
     logits, view, routing = forward(params, cfg, tokens, positions, cache.window(slot, 1), placement,
                                     logits_at=jnp.reshape(last, (1, 1)))  # [1, 1, V]
     row_logits = logits[0]  # [1, V]
-    out = sampling.sample(row_logits, sampling.take_rows(sampler, slot, 1), n_top)
+    out = sampling.sample(row_logits, sampling.take_rows(sampler, slot, 1), plan.n_top, plan.draw)
     sampler = sampling.advance(sampler, out.token, jnp.reshape(final, (1,)), start=slot)
     return view.window(0, n_slots), sampler, out, row_logits, routing
 
 
-def _decode_step(forward, cfg, n_top, params, cache: SlotCache, sampler, placement, tokens, positions, active):
+def _decode_step(forward, cfg, plan, params, cache: SlotCache, sampler, placement, tokens, positions, active):
     b = tokens.shape[0]
     n_slots = cache.n_slots
     logits, view, routing = forward(params, cfg, tokens[:, None], positions[:, None], cache.window(0, b), placement)
     step_logits = logits[:, 0]  # [b, V]
-    out = sampling.sample(step_logits, sampling.take_rows(sampler, 0, b), n_top)
+    out = sampling.sample(step_logits, sampling.take_rows(sampler, 0, b), plan.n_top, plan.draw)
     sampler = sampling.advance(sampler, out.token, active, start=0)
     return view.window(0, n_slots), sampler, out, step_logits, routing
 
@@ -128,15 +134,15 @@ def _decode_step(forward, cfg, n_top, params, cache: SlotCache, sampler, placeme
 # ``spare``: the previous step's outputs, unread; donated so that XLA writes this step's outputs
 # into them. jit drops unread arguments unless told to keep them, and a dropped one aliases nothing.
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=_DONATE + ("spare",), keep_unused=True)
-def _decode(forward, cfg, n_top, params, cache: SlotCache, sampler, placement, tokens, positions, active, spare):
+def _decode(forward, cfg, plan, params, cache: SlotCache, sampler, placement, tokens, positions, active, spare):
     del spare
-    return _decode_step(forward, cfg, n_top, params, cache, sampler, placement, tokens, positions, active)
+    return _decode_step(forward, cfg, plan, params, cache, sampler, placement, tokens, positions, active)
 
 
-def _decode_steps(forward, cfg, n_top, n, params, cache, sampler, placement, tokens, positions, active):
+def _decode_steps(forward, cfg, plan, n, params, cache, sampler, placement, tokens, positions, active):
     def step(carry, _):
         cache, sampler, tokens, positions = carry
-        cache, sampler, out, _, routing = _decode_step(forward, cfg, n_top, params, cache, sampler, placement,
+        cache, sampler, out, _, routing = _decode_step(forward, cfg, plan, params, cache, sampler, placement,
                                                        tokens, positions, active)
         # padding rows stay at position S (never stored); real rows feed their token back
         return (cache, sampler, out.token, jnp.where(active, positions + 1, positions)), (out, routing)
@@ -147,10 +153,10 @@ def _decode_steps(forward, cfg, n_top, n, params, cache, sampler, placement, tok
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("n",), donate_argnames=_DONATE + ("spare",),
                    keep_unused=True)
-def _decode_block(forward, cfg, n_top, n, params, cache: SlotCache, sampler, placement, tokens, positions, active,
+def _decode_block(forward, cfg, plan, n, params, cache: SlotCache, sampler, placement, tokens, positions, active,
                   spare):
     del spare  # as for _decode: the last block's outputs, so this block's keep their addresses
-    return _decode_steps(forward, cfg, n_top, n, params, cache, sampler, placement, tokens, positions, active)
+    return _decode_steps(forward, cfg, plan, n, params, cache, sampler, placement, tokens, positions, active)
 
 
 _set_row = jax.jit(sampling.set_row, donate_argnums=0)
