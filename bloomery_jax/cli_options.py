@@ -16,7 +16,7 @@ KERNELS_HELP = ("card matmuls: reference (jnp dequantize + matmul), pallas (GPU 
                 "faster, ~5e-4 relative error a layer), pallas-qtiles (there the stored quants times x in two "
                 "bf16 parts, scales applied after each sub-block, as llama.cpp's MMQ does), pallas-q8 "
                 "(activations rounded to Q8_1 as llama.cpp's CUDA backend does; integer dot products at decode) "
-                "or auto: pallas on a GPU (default auto)")
+                "or auto: pallas-qtiles on a GPU (default auto)")
 
 
 ATTENTION_HELP = ("attention: xla (jnp; on the GPU each layer's cache is copied out and attended "

@@ -17,8 +17,8 @@
 #           doorbell), ratios; the card bench with the sampler's cuts by sort (sort/) and with
 #           WHILE and CONDITIONAL command buffers (while/); with QPROF=1 and time left, the
 #           quarter-static decode profile (8 layers)
-#   prefill the card bench with f32-tile and with quant-tile prefill experts (kernels pallas and
-#           pallas-qtiles), with time left pallas-q8 (int8 tiles) and the 8-layer pp512 profile
+#   prefill the card bench with quant-tile and with f32-tile prefill experts (kernels pallas-qtiles,
+#           the default, and pallas), with time left pallas-q8 and the 8-layer pp512 profile
 #
 #   order: trace, side, prefill, then hybrid if device time is left (about 8-10 minutes each)
 #
@@ -29,7 +29,7 @@ call=$1
 OUT=${OUT:-/tmp/gpu_hold_out}
 RES=/tmp/gpu_hold_$call
 mkdir -p "$OUT" "$RES"
-K="--kernels pallas --attention pallas --routing pallas"
+K="--kernels ${KERNELS:-pallas-qtiles} --attention pallas --routing pallas"  # the GPU's defaults
 B="python3 scripts/gpu_session.py --out $RES --reps 3 --parallel 1 $K --decode-block 8 --variant-timeout 220"
 M8=/tmp/bloomery/qwen3-30b-a3b-shape-8l-q4km.gguf
 case $call in
@@ -69,14 +69,16 @@ hybrid)
   fi
   ;;
 prefill)
-  # the card bench with the prefill experts on f32 tiles (pallas) and on quant tiles
-  # (pallas-qtiles) in one call, llama.cpp's card row from the side call; then where an
+  # the card bench with the prefill experts on quant tiles (pallas-qtiles, the default) and on
+  # f32 tiles (pallas) in one call, llama.cpp's card row from the side call; then where an
   # 8-layer pp512 goes
   bash scripts/await_builds.sh 240 || exit 1
   [ "${BASE:-1}" = 1 ] && $B bench --only card  # BASE=0: side's card bench on this warm machine is the base
-  mkdir -p $RES/qtiles && Q=${B/--out $RES/--out $RES/qtiles} && ${Q/--kernels pallas /--kernels pallas-qtiles } bench --only card
+  F=${B/--out $RES/--out $RES/f32tiles}
+  mkdir -p $RES/f32tiles && ${F/--kernels pallas-qtiles /--kernels pallas } bench --only card
   if [ $SECONDS -lt 330 ]; then  # int8 tile products (and Q8_1 activations everywhere)
-    mkdir -p $RES/q8 && Q=${B/--out $RES/--out $RES/q8} && ${Q/--kernels pallas /--kernels pallas-q8 } bench --only card
+    Q=${B/--out $RES/--out $RES/q8}
+    mkdir -p $RES/q8 && ${Q/--kernels pallas-qtiles /--kernels pallas-q8 } bench --only card
   fi
   if [ $SECONDS -lt 450 ]; then
     timeout 140 python3 scripts/profile_decode.py --model $M8 $K --prefill --prompt 512 --steps 3 \

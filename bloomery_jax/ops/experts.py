@@ -20,7 +20,6 @@ a weight outside the kernel.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -93,7 +92,7 @@ def moe_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate, up, d
     if norm is not None:
         x = rms_norm(x, *norm)
     if isinstance(gate, PackedWeight):
-        config = dataclasses.replace(pick_gemm_config(N * k, gate.shape[0]), precision=precision)
+        config = pick_gemm_config(N * k, gate.shape[0], precision)
         return _moe_swiglu_gemm(x, experts, weights, gate, up, down, act_rounding, config)
     wg, wu, wd = as_f32(gate), as_f32(up), as_f32(down)
     n_exp = wg.shape[0]

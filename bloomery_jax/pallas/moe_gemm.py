@@ -86,17 +86,26 @@ class GemmConfig:
     wide: bool = False  # one K=chunk product per chunk (Q4_K, Q5_K, planes layout) instead of one per plane
 
 
-def pick_gemm_config(n_pairs: int, n_experts: int) -> GemmConfig:
-    """Launch parameters by the mean rows per expert (measured on the H200 at the 30B shape,
-    tf32x3, benchmarks/gpu_2026-12-03-s3): 8 rows per expert (128 tokens) ran best at block_m 16,
-    1.75 ms against 2.50 at 32; 32 rows (512 tokens) at block_m 64, 2.54 ms against 3.61 at 32
-    and 4.00 at 16; 128 rows (2048 tokens) at 64 rows and 128 columns, 8.76 ms against 9.76."""
+def pick_gemm_config(n_pairs: int, n_experts: int, precision: str = "tf32x3") -> GemmConfig:
+    """Launch parameters by the mean rows per expert, for ``precision``.
+
+    f32 tiles (measured on the H200 at the 30B shape, tf32x3, benchmarks/gpu_2026-12-03-s3): 8
+    rows per expert (128 tokens) ran best at block_m 16, 1.75 ms against 2.50 at 32; 32 rows
+    (512 tokens) at block_m 64, 2.54 ms against 3.61 at 32 and 4.00 at 16; 128 rows (2048
+    tokens) at 64 rows and 128 columns, 8.76 ms against 9.76.
+
+    Quant tiles (measured on the H100 at 512 tokens, benchmarks/gpu_2026-12-05-s14): 32 x 64
+    wins for every precision (q-bf16x2 1.37-1.42 ms against 1.69 at 16 x 64 and 32 x 128, and
+    2.51 at 64 x 64; q-bf16 0.92 against 1.25 at 64 x 64). Below 16 rows per expert block_m 16,
+    as for f32 tiles (not measured for quant tiles)."""
     rows = n_pairs / max(n_experts, 1)
+    if precision in QUANT_TILES:
+        return GemmConfig(block_m=16 if rows < 16 else 32, block_n=64, precision=precision)
     if rows < 16:
-        return GemmConfig(block_m=16, block_n=64)
+        return GemmConfig(block_m=16, block_n=64, precision=precision)
     if rows < 96:
-        return GemmConfig(block_m=64, block_n=64)
-    return GemmConfig(block_m=64, block_n=128, num_warps=8)
+        return GemmConfig(block_m=64, block_n=64, precision=precision)
+    return GemmConfig(block_m=64, block_n=128, num_warps=8, precision=precision)
 
 
 @jax.tree_util.register_dataclass
