@@ -7,7 +7,8 @@
 #   trace   llama.cpp builds and the 48-layer file is written in the background (cores 0-12)
 #           while the 8-layer decode step is traced on cores 13-15 (graph_trace_probe.sh:
 #           single steps and blocks of 8), decode attention at 640 visible of 4096 slots, and
-#           the sampler's cuts by sort and by search (scripts/sampler_bench.py), and the prefill
+#           the sampler's cuts by sort and by search and its greedy plan (scripts/sampler_bench.py),
+#           the decode layer's GEMV launch configs (layer_kernel_bench.py), and the prefill
 #           expert GEMM at 512 tokens: f32 tiles against quant tiles (moe_prefill_bench.py)
 #   side    llama-bench all on the card and -ncmoe 36, our card bench (block 8), our
 #           n-cpu-moe=36 bench over the FFI bridge: doorbell signal, the same with the host
@@ -39,6 +40,9 @@ trace)
     --splits 0,4,16 --heads-per-program 8 > "$RES/attention_bench.txt" 2>&1
   tail -8 "$RES/attention_bench.txt" 2>/dev/null
   taskset -c 13-15 timeout 90 python3 scripts/sampler_bench.py --json "$RES/sampler.json" 2>&1 | tail -6
+  # the decode layer's launches under other configs (the MoE ones were never tuned)
+  taskset -c 13-15 timeout 180 python3 scripts/layer_kernel_bench.py --json "$RES/layer_kernels.json" \
+    > "$RES/layer_kernels.txt" 2>&1; tail -4 "$RES/layer_kernels.txt"
   taskset -c 13-15 timeout 200 python3 scripts/moe_prefill_bench.py --tokens 512 --skip-reference --reps 5 \
     > "$RES/moe_prefill_T512.jsonl" 2>&1
   grep -h '"config"' "$RES/moe_prefill_T512.jsonl" | cut -c1-160
