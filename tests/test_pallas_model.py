@@ -68,12 +68,13 @@ def test_layer_without_card_experts(q4km, ubatch):
 
 
 @pytest.mark.parametrize("kernels,precision", [("pallas-tf32", "tf32"), ("pallas-qtiles", "q-bf16x2")])
-def test_prefill_expert_precision_setting(q4km, kernels, precision):
-    # these kernels= choices only change the prefill experts' product, through the config (the
-    # interpreter computes tf32 at f32 HIGHEST, and quant tiles with their bf16 parts of x)
-    assert load_model(q4km, kernels="pallas").cfg.moe_precision == "tf32x3"
+def test_prefill_precision_setting(q4km, kernels, precision):
+    # these kernels= choices only change the prefill products (experts and dense projections),
+    # through the config (the interpreter computes tf32 at f32 HIGHEST, and quant tiles with
+    # their bf16 parts of x)
+    assert load_model(q4km, kernels="pallas").cfg.prefill_precision == "tf32x3"
     model = load_model(q4km, kernels=kernels)
-    assert model.cfg.moe_precision == precision and isinstance(model.params["blk.0.attn_q.weight"], PackedWeight)
+    assert model.cfg.prefill_precision == precision and isinstance(model.params["blk.0.attn_q.weight"], PackedWeight)
     ids = tokens(16, seed=4)
     ref = sequence_logits(load_model(q4km, kernels="reference", weights="blocks"), ids, ubatch=16)
     assert np.abs(sequence_logits(model, ids, ubatch=16) - ref).max() <= TOL * ref.std()
@@ -266,9 +267,11 @@ def test_decode_block_lowers_graph_ready_for_h200(q4km, monkeypatch):
     for op in ("stablehlo.sort", "stablehlo.case", "stablehlo.if"):
         assert op not in text, op
 
-def test_packed_prefill_products_take_tf32x3_on_gpus(monkeypatch):
-    """A packed weight times more rows than the GEMV takes: three TF32 passes when lowered for a
-    GPU (tensor cores, f32-like error), HIGHEST's f32 on the CPU (which has no TF32 algorithms)."""
+@pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
+def test_packed_prefill_products_take_the_prefill_precision(monkeypatch):
+    """A packed weight times more rows than the GEMV takes: by default three TF32 passes when
+    lowered for a GPU (tensor cores, f32-like error), HIGHEST's f32 on the CPU (which has no TF32
+    algorithms); quant tiles when the model's prefill precision names them."""
     import jax
     import jax.numpy as jnp
     from gguf import GGMLQuantizationType as T
@@ -276,7 +279,7 @@ def test_packed_prefill_products_take_tf32x3_on_gpus(monkeypatch):
     from bloomery_jax.ops import qmatmul as qm
     from bloomery_jax.quant.repack import repack
     from bloomery_jax.synth.blocks import random_blocks
-    from triton_lowering import lowered_for_h200
+    from triton_lowering import lowered_for_h200, triton_kernels
 
     w = repack(random_blocks(T.Q4_K, (64, 256), 0.02, np.random.default_rng(0)), T.Q4_K, (64, 256))
     x = jnp.zeros((16, 256), jnp.float32)
@@ -285,3 +288,8 @@ def test_packed_prefill_products_take_tf32x3_on_gpus(monkeypatch):
     monkeypatch.setattr(qm, "interpret_kernels", lambda: False)
     dots = [line for line in lowered_for_h200(qm.qmatmul, x, w).splitlines() if "dot_general" in line]
     assert dots and all("lhs_precision_type = tf32" in d and "num_primitive_operations = 3" in d for d in dots)
+    # at a quant-tile precision (kernels=pallas-qtiles) the product is moe_gemm's kernel with one
+    # expert, and no XLA dot is left
+    quant = lambda x, w: qm.qmatmul(x, w, precision="q-bf16x2")  # noqa: E731
+    assert [name for name, _, ok in triton_kernels(monkeypatch, quant, x, w) if ok] == ["moe_gemm_q4_k"]
+    assert "stablehlo.dot_general" not in lowered_for_h200(quant, x, w)

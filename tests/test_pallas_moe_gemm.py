@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from bloomery_jax.pallas.moe_gemm import QUANT_TILES, GemmConfig, _bf16_parts, moe_gemm, plan_tiles
+from bloomery_jax.pallas.moe_gemm import QUANT_TILES, GemmConfig, _bf16_parts, dense_gemm, moe_gemm, plan_tiles
 from bloomery_jax.ops.actquant import quantize_q8_1
 from bloomery_jax.quant.dequant_k import k4_scales_mins
 from bloomery_jax.quant.repack import PACKABLE, repack
@@ -131,6 +131,25 @@ def test_quant_tiles_match_their_model(qtype, layout, precision):
         # (with two parts x - xr is at most 2^-16 |x|, too small against the bound to tell)
         flipped = not seen_x(x, precision)[1]
         assert quant_tile_errors(y, x, raw, w64, experts, qtype, precision, exact_sums=flipped).max() > 1.0
+
+
+@pytest.mark.parametrize("qtype,layout", [(T.Q4_K, "planes"), (T.Q6_K, "planes"), (T.Q8_0, "ggml")],
+                         ids=lambda v: getattr(v, "name", v))
+@pytest.mark.parametrize("n_rows", [40, 64])
+def test_dense_gemm_is_one_expert(qtype, layout, n_rows):
+    """A 2-D weight through ``dense_gemm`` (one expert, rows padded to whole tiles): the quant-tile
+    model and bound of ``quant_tile_errors``, with every row on expert 0."""
+    rng = np.random.default_rng(int(qtype) + n_rows)
+    raw, _, w64 = stacked(qtype, 1, 64, 512, rng)
+    pw = repack(raw[0], qtype, (64, 512), layout)  # [N, K]
+    x = jnp.asarray(rng.standard_normal((n_rows, 512)), jnp.float32)
+    y = dense_gemm(x, pw, "q-bf16x2", interpret=True)
+    assert y.shape == (n_rows, 64)
+    on_zero = jnp.zeros(n_rows, jnp.int32)
+    assert quant_tile_errors(y, x, raw, w64, on_zero, qtype, "q-bf16x2").max() <= 1.0
+    assert quant_tile_errors(y, x, raw, w64, on_zero, qtype, "q-bf16").max() > 1.0  # the model's guard
+    with pytest.raises(ValueError, match="needs a 2-D weight"):
+        dense_gemm(x, repack(raw, qtype, (1, 64, 512), layout), "q-bf16x2", interpret=True)
 
 
 def test_bound_catches_a_wrong_expert():

@@ -79,6 +79,9 @@ class Config:
     # Not from the file: "ggml-cpu" rounds matmul activations as llama.cpp's CPU backend does
     # (ops/actquant.py), to compare with it on quantized files; "none" is the exact reference.
     act_rounding: str = "none"
+    # Not from the file: the precision of the prefill products of packed weights (ops.qmatmul);
+    # the loader sets it for kernels=pallas-tf32 and pallas-qtiles (loader.PREFILL_PRECISION_OF).
+    prefill_precision: str = "tf32x3"
 
     def __post_init__(self):
         if len(self.swa_layers) != self.n_layers:
@@ -267,24 +270,24 @@ def _attention(params, cfg: Config, i: int, h, rope, positions, cache: KVCache, 
     b = f"blk.{i}."
     B, T, _ = h.shape
     cos, sin = rope
-    ar = cfg.act_rounding
-    q = qmatmul(h, params[b + "attn_q.weight"], ar).reshape(B, T, cfg.n_heads, cfg.head_dim)  # [B, T, Hq, Dh]
-    k = qmatmul(h, params[b + "attn_k.weight"], ar).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)  # [B, T, Hkv, Dh]
-    v = qmatmul(h, params[b + "attn_v.weight"], ar).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
+    ar, pp = cfg.act_rounding, cfg.prefill_precision
+    q = qmatmul(h, params[b + "attn_q.weight"], ar, pp).reshape(B, T, cfg.n_heads, cfg.head_dim)  # [B, T, Hq, Dh]
+    k = qmatmul(h, params[b + "attn_k.weight"], ar, pp).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)  # [B, T, Hkv, Dh]
+    v = qmatmul(h, params[b + "attn_v.weight"], ar, pp).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
     q = apply_rope(_norm(params, b + "attn_q_norm.weight", q, cfg), cos, sin, neox=True)
     k = apply_rope(_norm(params, b + "attn_k_norm.weight", k, cfg), cos, sin, neox=True)
     q = q * jnp.float32(cfg.attn_scale)  # llama.cpp scales q, then attends with scale 1
     cache = cache.write(i, k, v, positions)
     k_all, v_all = cache.layer(i)  # [B, S, Hkv, Dh]
     o = gqa_attention(q, k_all, v_all, mask, 1.0).reshape(B, T, cfg.q_dim)  # [B, T, Hq*Dh]
-    return qmatmul(o, params[b + "attn_output.weight"], ar), cache  # [B, T, D]
+    return qmatmul(o, params[b + "attn_output.weight"], ar, pp), cache  # [B, T, D]
 
 
 def _ffn(params, cfg: Config, i: int, h):
-    b, ar = f"blk.{i}.", cfg.act_rounding
-    gate = qmatmul(h, params[b + "ffn_gate.weight"], ar)  # [B, T, F]
-    up = qmatmul(h, params[b + "ffn_up.weight"], ar)  # [B, T, F]
-    return qmatmul(geglu(gate, up), params[b + "ffn_down.weight"], ar)  # [B, T, D]
+    b, ar, pp = f"blk.{i}.", cfg.act_rounding, cfg.prefill_precision
+    gate = qmatmul(h, params[b + "ffn_gate.weight"], ar, pp)  # [B, T, F]
+    up = qmatmul(h, params[b + "ffn_up.weight"], ar, pp)  # [B, T, F]
+    return qmatmul(geglu(gate, up), params[b + "ffn_down.weight"], ar, pp)  # [B, T, D]
 
 
 def forward(params, cfg: Config, tokens, positions, cache: KVCache, placement=None, logits_at=None):

@@ -27,7 +27,7 @@ from .registry import module_for_file
 from .spec import check_tensors
 
 # kernels= choices that change only the prefill experts' product (pallas.moe_gemm precisions)
-MOE_PRECISION_OF = {"pallas-tf32": "tf32", "pallas-qtiles": "q-bf16x2"}
+PREFILL_PRECISION_OF = {"pallas-tf32": "tf32", "pallas-qtiles": "q-bf16x2"}
 
 
 @dataclasses.dataclass(eq=False)
@@ -88,10 +88,10 @@ def load_model(path: str | os.PathLike, *, device=None, place="card", reserve_by
         most AUTO_F32_BYTES and no expert runs on the host, else blocks.
       kernels: "reference" (jnp dequantize + matmul), "pallas" (card matmul weights repacked
         on the device for the Pallas kernels; ``weights`` must then be blocks or auto),
-        "pallas-tf32" (as pallas, prefill experts in one TF32 pass instead of three: sets
-        ``cfg.moe_precision``), "pallas-qtiles" (as pallas, prefill experts multiply the stored
-        quants by x in two bf16 parts, scales applied after each sub-block: ``moe_precision``
-        "q-bf16x2"), "pallas-q8" (as pallas with weights in the "ggml" layout and
+        "pallas-tf32" (as pallas, prefill products in one TF32 pass instead of three: sets
+        ``cfg.prefill_precision``), "pallas-qtiles" (as pallas, prefill products multiply the
+        stored quants by x in two bf16 parts, scales applied after each sub-block:
+        ``prefill_precision`` "q-bf16x2"), "pallas-q8" (as pallas with weights in the "ggml" layout and
         activations rounded to Q8_1 before every quantized matmul, as llama.cpp's CUDA backend
         does: decode GEMVs take integer dot products; sets ``cfg.act_rounding="ggml-cuda"``) or
         "auto" (pallas-qtiles on a GPU, else reference). Weights no kernel can serve are listed on
@@ -158,8 +158,8 @@ def load_model(path: str | os.PathLike, *, device=None, place="card", reserve_by
         if weights == "f32":
             raise ConfigError("weights='f32' and kernels='pallas' exclude each other: the kernels read blocks")
         params = _pack_for_kernels(params, specs, "ggml" if kernels == "pallas-q8" else "planes")
-        if kernels in MOE_PRECISION_OF and hasattr(cfg, "moe_precision"):
-            cfg = dataclasses.replace(cfg, moe_precision=MOE_PRECISION_OF[kernels])
+        if kernels in PREFILL_PRECISION_OF:
+            cfg = dataclasses.replace(cfg, prefill_precision=PREFILL_PRECISION_OF[kernels])
         if kernels == "pallas-q8":
             cfg = dataclasses.replace(cfg, act_rounding="ggml-cuda")
     elif _want_f32(weights, params, bool(host_tensors)):

@@ -56,9 +56,10 @@ class Config:
     # Not from the file: "ggml-cpu" rounds matmul activations as llama.cpp's CPU backend does
     # (ops/actquant.py), to compare with it on quantized files; "none" is the exact reference.
     act_rounding: str = "none"
-    # Not from the file: the tensor-core precision of the prefill MoE kernel (pallas.moe_gemm);
-    # the loader sets it for kernels=pallas-tf32 and pallas-qtiles (loader.MOE_PRECISION_OF).
-    moe_precision: str = "tf32x3"
+    # Not from the file: the precision of the prefill products of packed weights, experts
+    # (pallas.moe_gemm) and dense projections (ops.qmatmul); the loader sets it for
+    # kernels=pallas-tf32 and pallas-qtiles (loader.PREFILL_PRECISION_OF).
+    prefill_precision: str = "tf32x3"
     # Not from the file: "pallas" makes one-token steps attend with pallas.decode_attention and
     # prefill steps with pallas.prefill_attention, read straight from the cache buffer
     # (models.loader's attention=); "xla" is ops.attention's jnp.
@@ -245,7 +246,7 @@ def _attention_block(params, cfg: Config, i: int, x, cos, sin, positions, cache:
         q1, cache = cache.write_one_normed(i, qkv, (q_norm, k_norm, cfg.rms_eps), (cos[:, 0], sin[:, 0]),
                                            positions[:, 0])  # q1 [B, Hq, Dh]
     else:
-        q, k, v = qmatmul_many(x, ws, ar, norm=norm)
+        q, k, v = qmatmul_many(x, ws, ar, norm=norm, precision=cfg.prefill_precision)
         q = q.reshape(B, T, cfg.n_heads, cfg.head_dim)  # [B, T, Hq, Dh]
         k = k.reshape(B, T, cfg.n_kv_heads, cfg.head_dim)  # [B, T, Hkv, Dh]
         v = v.reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
@@ -261,7 +262,7 @@ def _attention_block(params, cfg: Config, i: int, x, cos, sin, positions, cache:
         k_all, v_all = cache.layer(i)  # [B, S, Hkv, Dh]
         o = gqa_attention(q, k_all, v_all, mask, cfg.attn_scale)  # [B, T, Hq, Dh]
     o = o.reshape(B, T, cfg.q_dim)  # [B, T, Hq*Dh]
-    return x + qmatmul(o, params[b + "attn_output.weight"], ar), cache
+    return x + qmatmul(o, params[b + "attn_output.weight"], ar, cfg.prefill_precision), cache
 
 
 def _moe_block(params, cfg: Config, i: int, x, placement):
@@ -284,7 +285,7 @@ def _moe_block(params, cfg: Config, i: int, x, placement):
     # the experts take x and the norm: the decode GEMV forms it in-kernel, so h feeds only the router
     y = placed_moe_swiglu(x.reshape(B * T, D), experts, weights, params[b + "ffn_gate_exps.weight"],
                           params[b + "ffn_up_exps.weight"], params[b + "ffn_down_exps.weight"], cfg.act_rounding,
-                          placement, i, cfg.moe_precision, norm, card)  # [N, D]
+                          placement, i, cfg.prefill_precision, norm, card)  # [N, D]
     k = cfg.n_experts_used
     return x + y.reshape(B, T, D), (experts.reshape(B, T, k), weights.reshape(B, T, k), margin.reshape(B, T))
 

@@ -6,11 +6,13 @@ file's dequantized values (``QTensor.dequantize``) and the product is float32 wi
 rounds the activations as llama.cpp's CPU backend does (see ``ops/actquant.py``).
 
 A weight repacked for the Pallas kernels (``PackedWeight``, ``kernels=pallas`` at load) takes
-the decode GEMV kernel when at most ``GEMV_MAX_ROWS`` rows of x multiply it, else the product of
-its (bit-identical) dequantized values, on a GPU in three TF32 tensor-core passes
-(``PACKED_GPU_PRECISION``, as the prefill MoE kernel's default: errors as f32's, measured
-1.2e-6 against 1.3e-6 relative for plain f32 FMAs) rather than HIGHEST's f32 FMAs, which run at
-a tenth of the tensor cores' rate. With ``act_rounding="ggml-cuda"`` and a
+the decode GEMV kernel when at most ``GEMV_MAX_ROWS`` rows of x multiply it. More rows (prefill)
+take the product at the model's prefill precision (``precision``, a ``pallas.moe_gemm``
+precision): quant tiles (``pallas.moe_gemm.dense_gemm``, also in the interpreter), or the
+product of the weight's (bit-identical) dequantized values, on a GPU with that tensor-core
+algorithm (default three TF32 passes: errors as f32's, measured 1.2e-6 against 1.3e-6 relative
+for plain f32 FMAs) rather than HIGHEST's f32 FMAs, which run at a tenth of the tensor cores'
+rate. With ``act_rounding="ggml-cuda"`` and a
 weight in the "ggml" layout (``kernels=pallas-q8``) the decode GEMV takes integer dot products on
 the Q8_1-rounded activations (``pallas.qgemv_q8``), as llama.cpp's CUDA backend does.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ..pallas.moe_gemm import GEMM_ALGORITHMS, QUANT_TILES, dense_gemm
 from ..pallas.qgemv import qgemv, qgemv_many
 from ..pallas.qgemv_q8 import qgemv_q8, qgemv_q8_many
 from ..quant import QTensor, dequantize
@@ -28,7 +31,6 @@ from .actquant import quantize_q8_1, round_activations
 from .norms import rms_norm
 
 HIGHEST = jax.lax.Precision.HIGHEST
-PACKED_GPU_PRECISION = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3  # not on the CPU, which keeps HIGHEST
 GEMV_MAX_ROWS = 8  # rows of x the GEMV kernel takes in one pass (it unrolls them)
 
 
@@ -51,13 +53,14 @@ def interpret_kernels() -> bool:
     return jax.default_backend() not in ("gpu", "cuda")
 
 
-def qmatmul(x: jax.Array, w, act_rounding: str = "none") -> jax.Array:
+def qmatmul(x: jax.Array, w, act_rounding: str = "none", precision: str = "tf32x3") -> jax.Array:
     """``x @ w.T`` for a GGUF weight ``w`` of shape ``[N, K]`` (K inputs to N outputs).
 
     Args:
       x: float ``[..., K]``.
-      w: QTensor or array ``[N, K]``.
+      w: QTensor, PackedWeight or array ``[N, K]``.
       act_rounding: ``"none"`` or ``"ggml-cpu"`` (round ``x`` as llama.cpp's CPU backend).
+      precision: a PackedWeight's product for more than ``GEMV_MAX_ROWS`` rows (see above).
     Returns:
       float32 ``[..., N]``.
     """
@@ -69,13 +72,16 @@ def qmatmul(x: jax.Array, w, act_rounding: str = "none") -> jax.Array:
         rows = x.reshape(-1, x.shape[-1])  # [R, K]
         if rows.shape[0] <= GEMV_MAX_ROWS:
             return qgemv(rows, w, interpret=interpret_kernels()).reshape(*x.shape[:-1], w.shape[0])
+        if precision in QUANT_TILES:
+            return dense_gemm(rows, w, precision, interpret=interpret_kernels()).reshape(*x.shape[:-1], w.shape[0])
         if not interpret_kernels():
-            return jnp.einsum("...k,nk->...n", x, as_f32(w), precision=PACKED_GPU_PRECISION)
+            return jnp.einsum("...k,nk->...n", x, as_f32(w), precision=GEMM_ALGORITHMS[precision])
     return jnp.einsum("...k,nk->...n", x, as_f32(w), precision=HIGHEST)
 
 
-def qmatmul_many(x: jax.Array, ws, act_rounding: str = "none", norm: tuple | None = None, partials: bool = False):
-    """``tuple(qmatmul(x, w, act_rounding) for w in ws)``: weights that read the same x (q, k, v).
+def qmatmul_many(x: jax.Array, ws, act_rounding: str = "none", norm: tuple | None = None, partials: bool = False,
+                 precision: str = "tf32x3"):
+    """``tuple(qmatmul(x, w, act_rounding, precision) for w in ws)``: weights that read the same x (q, k, v).
 
     Decode steps with repacked weights take one launch for all of them (``qgemv_many``): the
     step is bound by launches and latency, not bytes (docs/LOG.md, decode profile). Anything
@@ -99,7 +105,7 @@ def qmatmul_many(x: jax.Array, ws, act_rounding: str = "none", norm: tuple | Non
     if rows.shape[0] <= GEMV_MAX_ROWS and all(takes_q8(w, act_rounding) for w in ws):  # one rounding for all
         ys = qgemv_q8_many(quantize_q8_1(rows), tuple(ws), interpret=interpret_kernels())
     else:
-        ys = tuple(qmatmul(rows, w, act_rounding) for w in ws)  # [R, N_j] each
+        ys = tuple(qmatmul(rows, w, act_rounding, precision) for w in ws)  # [R, N_j] each
     if partials:
         return jnp.concatenate(ys, axis=-1)[None]  # [1, R, sum N_j]
     return tuple(y.reshape(*x.shape[:-1], y.shape[-1]) for y in ys)

@@ -29,7 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .attention import cache_rows
-from .moe_gemm import _ALGORITHMS
+from .moe_gemm import GEMM_ALGORITHMS
 
 F32 = jnp.float32
 _NT = (((1,), (1,)), ((), ()))  # [M, K] x [N, K] -> [M, N]
@@ -103,15 +103,15 @@ def prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array
         raise ValueError(f"prefill_attention: q [B, T, Hq, Dh], k/v [R, S, Hkv, Dh] with Hkv dividing Hq, q_pos "
                          f"[B, T], kv_len and rows [B]; got {q.shape}, {k.shape}, {v.shape}, {q_pos.shape}, "
                          f"{kv_len.shape}, {jnp.shape(rows)}")
-    if precision not in _ALGORITHMS:
-        raise ValueError(f"prefill_attention: precision {precision!r} is not one of {sorted(_ALGORITHMS)}")
+    if precision not in GEMM_ALGORITHMS:
+        raise ValueError(f"prefill_attention: precision {precision!r} is not one of {sorted(GEMM_ALGORITHMS)}")
     if k.size >= 2 ** 31:  # the kernel's offsets are int32
         raise ValueError(f"prefill_attention: a cache of {k.size} elements is over the kernel's 2^31")
     pad = -T % block_t  # whole query blocks: padded queries see nothing (position -1) and are cut off
     qp = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
     pos = jnp.pad(q_pos.astype(jnp.int32), ((0, 0), (0, pad)), constant_values=-1)
     kernel = functools.partial(_kernel, group_size=Hq // Hkv, block_s=block_s, n_slots=S, scale=float(scale),
-                               algorithm=jax.lax.Precision.HIGHEST if interpret else _ALGORITHMS[precision])
+                               algorithm=jax.lax.Precision.HIGHEST if interpret else GEMM_ALGORITHMS[precision])
     per_seq = pl.BlockSpec((1,), lambda b, h, i: (b,))
     heads = pl.BlockSpec((None, block_t, None, Dh), lambda b, h, i: (b, i, h, 0))  # [BT, Dh]: head h
     out = pl.pallas_call(

@@ -57,9 +57,9 @@ from ..quant.repack import PackedWeight
 from .moe_gemv import _ExpertView, _kernel_name, _operands, check_stacked
 from .qgemv import F32, _largest_divisor, format_of
 
-__all__ = ["GemmConfig", "TilePlan", "moe_gemm", "pick_gemm_config", "plan_tiles"]
+__all__ = ["GemmConfig", "TilePlan", "dense_gemm", "moe_gemm", "pick_gemm_config", "plan_tiles"]
 
-_ALGORITHMS = {
+GEMM_ALGORITHMS = {
     "ieee": jax.lax.DotAlgorithmPreset.F32_F32_F32,
     "tf32x3": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
     "tf32": jax.lax.DotAlgorithmPreset.TF32_TF32_F32,
@@ -76,13 +76,13 @@ _NT = (((1,), (1,)), ((), ()))  # x [BM, W] . w [BN, W] over W -> [BM, BN]
 @dataclasses.dataclass(frozen=True)
 class GemmConfig:
     """Launch parameters: rows of x per tile, weight rows per program, Triton warps and stages,
-    and the precision of the tensor-core products (a key of ``_ALGORITHMS``)."""
+    and the precision of the tensor-core products (a key of ``GEMM_ALGORITHMS``)."""
 
     block_m: int = 32
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
-    precision: str = "tf32x3"  # a key of _ALGORITHMS or QUANT_TILES
+    precision: str = "tf32x3"  # a key of GEMM_ALGORITHMS or QUANT_TILES
     wide: bool = False  # one K=chunk product per chunk (Q4_K, Q5_K, planes layout) instead of one per plane
 
 
@@ -266,9 +266,9 @@ def moe_gemm(x: jax.Array, w: PackedWeight, tile_experts: jax.Array, *, config: 
       float32 ``[M, N]``.
     """
     qtype = check_stacked(w, "moe_gemm")
-    if config.precision not in _ALGORITHMS and config.precision not in QUANT_TILES:
+    if config.precision not in GEMM_ALGORITHMS and config.precision not in QUANT_TILES:
         raise ValueError(f"moe_gemm: precision {config.precision!r} is not one of "
-                         f"{sorted(_ALGORITHMS) + sorted(QUANT_TILES)}")
+                         f"{sorted(GEMM_ALGORITHMS) + sorted(QUANT_TILES)}")
     n_exp, n, k = w.shape
     bm = config.block_m
     if x.ndim != 2 or x.shape[1] != k or x.shape[0] % bm or tile_experts.shape != (x.shape[0] // bm,):
@@ -291,7 +291,7 @@ def moe_gemm(x: jax.Array, w: PackedWeight, tile_experts: jax.Array, *, config: 
                                    parts=parts, with_min=with_min)
     else:
         xs, x_specs = [x], [x_spec]
-        algorithm = jax.lax.Precision.HIGHEST if interpret else _ALGORITHMS[config.precision]
+        algorithm = jax.lax.Precision.HIGHEST if interpret else GEMM_ALGORITHMS[config.precision]
         kernel = functools.partial(_gemm_kernel, fmt=fmt, n_experts=n_exp, chunks=k // fmt.chunk,
                                    algorithm=algorithm, wide=config.wide and fmt.chunk_tile is not None)
     return pl.pallas_call(
@@ -306,3 +306,28 @@ def moe_gemm(x: jax.Array, w: PackedWeight, tile_experts: jax.Array, *, config: 
         interpret=interpret,
         name=_kernel_name("moe_gemm", w.layout, qtype),
     )(tile_experts.astype(jnp.int32), *xs, *arrays)
+
+
+def dense_gemm(x: jax.Array, w: PackedWeight, precision: str, interpret: bool = False) -> jax.Array:
+    """``x @ dequantize(w).T`` for a 2-D packed weight: :func:`moe_gemm` with one expert.
+
+    The prefill products of dense weights (attention projections, dense FFNs) on the tiles of
+    ``precision`` (quant tiles need no f32 copy of the weight: the f32 path dequantizes the
+    whole weight to a fresh [N, K] array each step). Rows are padded to whole tiles.
+
+    Args:
+      x: float ``[R, K]``; w: PackedWeight ``[N, K]`` (planes or ggml layout).
+      precision: a ``moe_gemm`` precision; interpret: the Pallas interpreter (CPU tests).
+    Returns:
+      float32 ``[R, N]``.
+    """
+    if len(w.shape) != 2:
+        raise ValueError(f"dense_gemm: needs a 2-D weight, got {w.shape}")
+    n_rows = x.shape[0]
+    config = pick_gemm_config(n_rows, 1, precision)
+    m = -(-n_rows // config.block_m) * config.block_m
+    x = jnp.pad(x, ((0, m - n_rows), (0, 0)))  # [M, K], M whole tiles
+    one = {f: None if a is None else a[None] for f, a in (("qs", w.qs), ("d", w.d), ("sc", w.sc), ("qh", w.qh))}
+    stacked = dataclasses.replace(w, **one, shape=(1, *w.shape))  # [1, N, K]: one expert
+    y = moe_gemm(x, stacked, jnp.zeros(m // config.block_m, jnp.int32), config=config, interpret=interpret)
+    return y[:n_rows]
