@@ -26,7 +26,7 @@ from ..settings import ATTENTION, BRIDGES, KERNELS, ROUTING, WEIGHT_FORMS
 from .registry import module_for_file
 from .spec import check_tensors
 
-# kernels= choices that change only the prefill experts' product (pallas.moe_gemm precisions)
+# kernels= choices that change only the prefill products' precision (pallas.moe_gemm precisions)
 PREFILL_PRECISION_OF = {"pallas-tf32": "tf32", "pallas-qtiles": "q-bf16x2"}
 
 
