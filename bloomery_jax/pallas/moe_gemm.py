@@ -95,7 +95,7 @@ def pick_gemm_config(n_pairs: int, n_experts: int, precision: str = "tf32x3") ->
     tokens) at 64 rows and 128 columns, 8.76 ms against 9.76.
 
     Quant tiles (measured on the H100 at 512 tokens, benchmarks/gpu_2026-12-05-s14): 32 x 64
-    wins for every precision (q-bf16x2 1.37-1.42 ms against 1.69 at 16 x 64 and 32 x 128, and
+    won for both bf16 forms (q-bf16x2 1.37-1.42 ms against 1.69 at 16 x 64 and 32 x 128, and
     2.51 at 64 x 64; q-bf16 0.92 against 1.25 at 64 x 64). Below 16 rows per expert block_m 16,
     as for f32 tiles (not measured for quant tiles)."""
     rows = n_pairs / max(n_experts, 1)
