@@ -157,7 +157,7 @@ def load_model(path: str | os.PathLike, *, device=None, place="card", reserve_by
     if kernels.startswith("pallas"):
         if weights == "f32":
             raise ConfigError("weights='f32' and kernels='pallas' exclude each other: the kernels read blocks")
-        params = _pack_for_kernels(params, specs, "ggml" if kernels == "pallas-q8" else "planes")
+        params = _pack_for_kernels(params, specs, "ggml" if kernels == "pallas-q8" else "planes", kernels)
         if kernels in PREFILL_PRECISION_OF:
             cfg = dataclasses.replace(cfg, prefill_precision=PREFILL_PRECISION_OF[kernels])
         if kernels == "pallas-q8":
@@ -219,7 +219,7 @@ def resolve_bridge(bridge: str, device=None) -> str:
 MATMUL_ROLES = ("attn", "output", "expert", "shared_expert", "ffn")  # spec roles whose weights feed a matmul
 
 
-def _pack_for_kernels(params: dict, specs, layout: str) -> dict:
+def _pack_for_kernels(params: dict, specs, layout: str, kernels: str) -> dict:
     """Matmul weights in the Pallas kernels' layout (repacked on the device, same values).
 
     The embedding stays in blocks (a row lookup); a tied output then runs the reference path.
@@ -241,7 +241,7 @@ def _pack_for_kernels(params: dict, specs, layout: str) -> dict:
         else:
             q.data.delete()  # the blocks are not needed twice on the card
     if unserved:
-        print(f"kernels=pallas: {len(unserved)} matmul weights have no kernel and run the reference path: "
+        print(f"kernels={kernels}: {len(unserved)} matmul weights have no kernel and run the reference path: "
               + ", ".join(unserved[:8]) + (" ..." if len(unserved) > 8 else ""), file=sys.stderr)
     return params
 
