@@ -55,7 +55,7 @@ class Weight:
 
     def __init__(self, qtype: T, e: int, n: int, k: int, rng):
         raw = random_blocks(qtype, (e, n, k), WEIGHT_STD, rng)
-        self.qtype, self.shape = qtype, (e, n, k)
+        self.qtype, self.shape, self.raw = qtype, (e, n, k), raw
         self.expert_bytes = raw[0].nbytes
         self.qt = QTensor.from_numpy(raw, qtype, self.shape)
         self.packed = repack(raw, qtype, self.shape)

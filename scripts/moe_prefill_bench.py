@@ -5,7 +5,8 @@ top-8), T tokens each routed to k distinct random experts (P = T k pairs):
 
   reference   ``ops.experts.moe_swiglu`` on QTensor weights: every expert dequantized, then
               ``ragged_dot_general`` in f32 at HIGHEST (the path prefill took before moe_gemm).
-  moe_gemm    ``ops.experts._moe_swiglu_gemm`` on planes-repacked weights, one row per launch
+  moe_gemm    ``ops.experts._moe_swiglu_gemm`` on repacked weights (--layout planes, the
+              default, or ggml, what kernels=pallas-q8 loads), one row per launch
               configuration (block_m, block_n, num_warps, num_stages, precision).
 
 Each row: median layer time over --reps samples of --calls back-to-back calls (cycling through
@@ -32,6 +33,7 @@ import numpy as np
 from moe_decode_bench import QWEN3_30B, SMOKE, build_weights, median_us
 from bloomery_jax.ops.experts import _moe_swiglu_gemm, moe_swiglu
 from bloomery_jax.pallas.moe_gemm import GemmConfig
+from bloomery_jax.quant.repack import repack
 
 # (block_m, block_n, num_warps, num_stages, precision[, wide]): the f32-tile picks measured on
 # 2026-12-03 (benchmarks/gpu_2026-12-03-s3: tf32x3 2.54 ms at 64 x 64, tf32 1.02 at 32 x 64),
@@ -67,10 +69,10 @@ def run(n_tok: int, dims: dict, weights: tuple, configs: list[GemmConfig], a, rn
         us = median_us(ref_fn, [(x, s, wt, *qts) for s in sets], a.reps, a.calls)
         out["reference"] = dict(layer_ms=round(us / 1e3, 3), TFLOPs=round(flop / us / 1e6, 2))
     rows = []
-    packed = tuple(w.packed for w in weights)
+    packed = tuple(w.packed if a.layout == "planes" else repack(w.raw, w.qtype, w.shape, "ggml") for w in weights)
     for cfg in configs:
         row = dict(config=[cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.precision]
-                   + (["wide"] if cfg.wide else []))
+                   + (["wide"] if cfg.wide else []), layout=a.layout)
         try:
             fn = jax.jit(lambda x, ex, wt, g, u, dn, cfg=cfg: _moe_swiglu_gemm(x, ex, wt, g, u, dn, "none", cfg))
             y = np.asarray(fn(x, sets[0], wt, *packed), np.float64)
@@ -96,6 +98,7 @@ def main(argv=None):
     p.add_argument("--sets", type=int, default=4, help="random routings the calls cycle through")
     p.add_argument("--skip-reference", action="store_true", help="do not time the reference (it is slow)")
     p.add_argument("--interpret", action="store_true", help="CPU smoke run: Pallas interpreter, small shapes")
+    p.add_argument("--layout", choices=("planes", "ggml"), default="planes", help="the experts' repack layout")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")

@@ -179,6 +179,7 @@ Q8_FLIP_TOL, Q8_MIN_EXACT = 0.1, 0.8
 def test_q8_kernels_match_reference_with_cuda_rounding(q4km, n_tokens, ubatch):
     model = load_model(q4km, kernels="pallas-q8")
     assert model.cfg.act_rounding == "ggml-cuda" and model.params["blk.1.attn_q.weight"].layout == "ggml"
+    assert model.cfg.prefill_precision == "q-int8"  # prefill: int8 tiles, the same arithmetic
     ids = tokens(n_tokens, seed=ubatch + 1)
     ref = sequence_logits(load_model(q4km, kernels="reference", weights="blocks"), ids, ubatch=ubatch,
                           act_rounding="ggml-cuda")

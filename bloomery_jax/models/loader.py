@@ -27,7 +27,7 @@ from .registry import module_for_file
 from .spec import check_tensors
 
 # kernels= choices that change only the prefill products' precision (pallas.moe_gemm precisions)
-PREFILL_PRECISION_OF = {"pallas-tf32": "tf32", "pallas-qtiles": "q-bf16x2"}
+PREFILL_PRECISION_OF = {"pallas-tf32": "tf32", "pallas-qtiles": "q-bf16x2", "pallas-q8": "q-int8"}
 
 
 @dataclasses.dataclass(eq=False)
@@ -93,7 +93,8 @@ def load_model(path: str | os.PathLike, *, device=None, place="card", reserve_by
         stored quants by x in two bf16 parts, scales applied after each sub-block:
         ``prefill_precision`` "q-bf16x2"), "pallas-q8" (as pallas with weights in the "ggml" layout and
         activations rounded to Q8_1 before every quantized matmul, as llama.cpp's CUDA backend
-        does: decode GEMVs take integer dot products; sets ``cfg.act_rounding="ggml-cuda"``) or
+        does: decode GEMVs take integer dot products, prefill products int8 tiles; sets
+        ``cfg.act_rounding="ggml-cuda"`` and ``prefill_precision`` "q-int8") or
         "auto" (pallas-qtiles on a GPU, else reference). Weights no kernel can serve are listed on
         stderr and run the reference path.
       attention: "xla" (``ops.attention``, jnp) or "pallas": one-token (decode) steps attend
