@@ -9,7 +9,8 @@
 #           single steps and blocks of 8), decode attention at 640 visible of 4096 slots, and
 #           the sampler's cuts by sort and by search and its greedy plan (scripts/sampler_bench.py),
 #           the decode layer's GEMV launch configs (layer_kernel_bench.py), and the prefill
-#           expert GEMM at 512 tokens: f32 tiles against quant tiles (moe_prefill_bench.py)
+#           expert GEMM at 512 tokens: f32 tiles against quant tiles, and at 1 and 8 tokens
+#           against the decode GEMV (moe_prefill_bench.py)
 #   side    llama-bench all on the card and -ncmoe 36, our card bench (block 8), our
 #           n-cpu-moe=36 bench over the FFI bridge: doorbell signal, the same with the host
 #           experts on huge pages, then (time left) the hostfunc signal; ratios
@@ -46,6 +47,10 @@ trace)
   taskset -c 13-15 timeout 200 python3 scripts/moe_prefill_bench.py --tokens 512 --skip-reference --reps 5 \
     > "$RES/moe_prefill_T512.jsonl" 2>&1
   grep -h '"config"' "$RES/moe_prefill_T512.jsonl" | cut -c1-160
+  # decode sizes: the engine's MoE GEMV against the GEMM on quant tiles (tensor cores)
+  taskset -c 13-15 timeout 120 python3 scripts/moe_prefill_bench.py --tokens 1,8 --skip-reference --reps 10 \
+    --configs 16,64,4,2,q-bf16x2 16,32,4,2,q-bf16x2 16,64,4,2,q-bf16 16,64,4,2,q-int8 > "$RES/moe_decode_sizes.jsonl" 2>&1
+  grep -h 'layer_ms' "$RES/moe_decode_sizes.jsonl" | cut -c1-160
   ;;
 side)
   bash scripts/await_builds.sh 240 || exit 1

@@ -8,6 +8,9 @@ top-8), T tokens each routed to k distinct random experts (P = T k pairs):
   moe_gemm    ``ops.experts._moe_swiglu_gemm`` on repacked weights (--layout planes, the
               default, or ggml, what kernels=pallas-q8 loads), one row per launch
               configuration (block_m, block_n, num_warps, num_stages, precision).
+  moe_gemv    where T k <= ``MOE_GEMV_MAX_PAIRS`` (decode sizes): ``_moe_swiglu_gemv``, what the
+              engine takes there, on planes weights: is a GEMM on quant tiles (tensor cores,
+              ~4 ALU ops a weight) faster than the GEMV's ~7 a weight even at 1-8 tokens?
 
 Each row: median layer time over --reps samples of --calls back-to-back calls (cycling through
 --sets routings), TFLOP/s of the pairs' useful work (P x 3 projections x 2 D F), and
@@ -31,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_decode_bench import QWEN3_30B, SMOKE, build_weights, median_us
-from bloomery_jax.ops.experts import _moe_swiglu_gemm, moe_swiglu
+from bloomery_jax.ops.experts import MOE_GEMV_MAX_PAIRS, _moe_swiglu_gemm, _moe_swiglu_gemv, moe_swiglu
 from bloomery_jax.pallas.moe_gemm import GemmConfig
 from bloomery_jax.quant.repack import repack
 
@@ -69,6 +72,13 @@ def run(n_tok: int, dims: dict, weights: tuple, configs: list[GemmConfig], a, rn
         us = median_us(ref_fn, [(x, s, wt, *qts) for s in sets], a.reps, a.calls)
         out["reference"] = dict(layer_ms=round(us / 1e3, 3), TFLOPs=round(flop / us / 1e6, 2))
     rows = []
+    if pairs <= MOE_GEMV_MAX_PAIRS and a.layout == "planes":
+        fn = jax.jit(lambda x, ex, wt, g, u, dn: _moe_swiglu_gemv(x, ex, wt, g, u, dn, "none", None))
+        planes = tuple(w.packed for w in weights)
+        y = np.asarray(fn(x, sets[0], wt, *planes), np.float64)
+        us = median_us(fn, [(x, s, wt, *planes) for s in sets], a.reps, a.calls)
+        out["moe_gemv"] = dict(layer_ms=round(us / 1e3, 4), max_rel_diff=float(np.abs(y - ref).max() / np.abs(ref).max()))
+        print(json.dumps(dict(moe_gemv=out["moe_gemv"], tokens=n_tok)), flush=True)
     packed = tuple(w.packed if a.layout == "planes" else repack(w.raw, w.qtype, w.shape, "ggml") for w in weights)
     for cfg in configs:
         row = dict(config=[cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.precision]
