@@ -44,8 +44,11 @@ trace)
   # the decode layer's launches under other configs (the MoE ones were never tuned)
   taskset -c 13-15 timeout 180 python3 scripts/layer_kernel_bench.py --json "$RES/layer_kernels.json" \
     > "$RES/layer_kernels.txt" 2>&1; tail -4 "$RES/layer_kernels.txt"
-  taskset -c 13-15 timeout 200 python3 scripts/moe_prefill_bench.py --tokens 512 --skip-reference --reps 5 \
-    > "$RES/moe_prefill_T512.jsonl" 2>&1
+  # the fourteenth session's H100 winners, on this card; then the ggml layout (pallas-q8's)
+  taskset -c 13-15 timeout 150 python3 scripts/moe_prefill_bench.py --tokens 512 --skip-reference --reps 5 \
+    --configs 64,64,4,2,tf32x3 32,64,4,2,q-bf16x2 32,64,4,2,q-bf16 32,64,4,2,q-int8 > "$RES/moe_prefill_T512.jsonl" 2>&1
+  taskset -c 13-15 timeout 100 python3 scripts/moe_prefill_bench.py --tokens 512 --skip-reference --reps 5 --layout ggml \
+    --configs 32,64,4,2,q-int8 32,64,4,2,q-bf16x2 64,64,4,2,tf32x3 >> "$RES/moe_prefill_T512.jsonl" 2>&1
   grep -h '"config"' "$RES/moe_prefill_T512.jsonl" | cut -c1-160
   # decode sizes: the engine's MoE GEMV against the GEMM on quant tiles (tensor cores)
   taskset -c 13-15 timeout 120 python3 scripts/moe_prefill_bench.py --tokens 1,8 --skip-reference --reps 10 \
