@@ -144,6 +144,19 @@ def test_decoded_beside_others_equals_alone(fresh):
     np.testing.assert_allclose([x.logprob for x in beside_out], [x.logprob for x in alone_out], rtol=1e-6, atol=1e-6)
 
 
+def test_cold_plans_take_the_full_sampler(fresh):
+    # a plan marked cold (the server's greedy plan before its idle compile) is never picked
+    eng = fresh
+    seq = eng.add(prompt(6, 5), GREEDY)
+    greedy = Plan(draw=False, n_top=0)
+    assert eng.sampler_plan([seq]) == greedy
+    eng.cold_plans = {greedy}
+    try:
+        assert eng.sampler_plan([seq]) == eng.steps.full
+    finally:
+        eng.cold_plans = set()
+
+
 def test_rollback_then_redecode_equals_never_decoded(fresh):
     eng = fresh
     for params in (GREEDY, SamplingParams(temperature=0.9, top_k=20, seed=77, repetition_penalty=1.2,

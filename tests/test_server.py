@@ -174,6 +174,23 @@ def test_health_is_503_while_loading_then_ready(server):
     assert f"ready at http://127.0.0.1:{server.port}/v1" in log
 
 
+GREEDY_IDLE = "compiled the greedy sampler's decode steps while idle"
+
+
+def test_greedy_sampler_compiles_while_idle_and_keeps_the_tokens(server):
+    """Greedy batches take the full sampler until the greedy plan's decode steps have compiled,
+    which the worker does while idle, so start-up compiles one plan: the same tokens either way.
+    (Run early: the first chat normally still finds the greedy plan cold.)"""
+    cold = GREEDY_IDLE not in open(server.log_path).read()
+    before = chat(server, content="plans", max_tokens=8).choices[0].message.content
+    deadline = time.monotonic() + 300
+    while GREEDY_IDLE not in open(server.log_path).read():
+        assert time.monotonic() < deadline, open(server.log_path).read()[-2000:]
+        time.sleep(0.5)
+    after = chat(server, content="plans", max_tokens=8).choices[0].message.content
+    assert after == before, (cold, before, after)
+
+
 def test_models_lists_the_served_model(server):
     models = server.client.models.list().data
     assert len(models) == 1 and models[0].id == server.model

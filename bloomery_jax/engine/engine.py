@@ -129,6 +129,10 @@ class Engine:
         self.cache = jax.device_put(SlotCache.for_config(cfg, rows, max_context, kv_dtype), device)
         self.sampler = jax.device_put(sampling.make_rows([empty] * rows), device)
         self.steps = StepFunctions(model.module.forward, cfg, n_top)
+        # sampler plans not to pick yet (each would compile in the step that first needs it):
+        # their batches take the full plan, which serves every row (the server compiles the
+        # greedy plan while idle)
+        self.cold_plans: set[sampling.Plan] = set()
         self.live: list[Sequence] = []  # live[i].slot == i
         self.last_routing = None
 
@@ -257,8 +261,9 @@ class Engine:
 
     def sampler_plan(self, seqs) -> sampling.Plan:
         """The sampler plan of a decode batch: only its sequences' settings count (padding rows'
-        tokens are never read)."""
-        return sampling.plan_for([s.params for s in seqs], self.n_top)
+        tokens are never read); the full plan while the batch's own is in ``cold_plans``."""
+        plan = sampling.plan_for([s.params for s in seqs], self.n_top)
+        return self.steps.full if plan in self.cold_plans else plan
 
     def _decode_inputs(self, seqs, n: int = 1):
         """Bucket-shaped decode inputs (tokens, positions, active) for ``seqs``, each of which must

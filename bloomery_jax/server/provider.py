@@ -2,8 +2,9 @@
 
 Contract. ``Provider(options).start()`` loads in a background thread (the model file, its
 tokenizer and chat template, an :class:`~bloomery_jax.engine.engine.Engine` with
-``options.parallel`` slots, compiling its decode steps and shortest prefill chunk (the
-longer chunks compile in the worker while it is idle, or all before ready with
+``options.parallel`` slots, compiling its decode steps with the full sampler and its shortest
+prefill chunk (the longer chunks and the greedy sampler's decode steps compile in the worker
+while it is idle, greedy batches taking the full sampler until then; or all before ready with
 ``full_warmup``), and a
 :class:`~bloomery_jax.engine.scheduler.Scheduler`), then starts the worker thread that steps the scheduler whenever there is work.
 ``state`` is ``loading``, ``ready`` or ``failed`` (``error`` says why).
@@ -29,6 +30,7 @@ import traceback
 from typing import Callable
 
 from ..chat import CHATML_TEMPLATE, ChatTemplate
+from ..engine.sampling import SamplingParams, plan_for
 from ..engine.scheduler import Event, QueueFullError, Scheduler, resolve_decode_block
 from ..errors import ConfigError
 from ..settings import RuntimeSettings
@@ -143,10 +145,15 @@ class Provider:
         first = engine.chunks if opts.full_warmup else engine.chunks[:1]
         self._cold_chunks = [] if opts.full_warmup else list(engine.chunks[1:])
         block = resolve_decode_block(st.decode_block)
-        secs = engine.warmup(progress=self.log, chunks=first, decode_block=block)
+        # the full sampler serves every batch; the greedy plan only makes greedy ones faster
+        samplers = None if opts.full_warmup else [SamplingParams(n_probs=1)]
+        secs = engine.warmup(progress=self.log, chunks=first, decode_block=block, samplers=samplers)
+        if not opts.full_warmup:
+            engine.cold_plans = {plan_for([SamplingParams(temperature=0.0)], engine.n_top)}
+        later = ([f"{len(self._cold_chunks)} longer prefill chunks"] if self._cold_chunks else []) + \
+            (["the greedy sampler's decode steps"] if engine.cold_plans else [])
         self.log(f"compiled {len(first)} prefill and {len(engine.buckets)} decode shapes in {secs:.1f} s"
-                 + (f" ({len(self._cold_chunks)} longer prefill chunks compile while idle)"
-                    if self._cold_chunks else ""))
+                 + (f" ({' and '.join(later)} compile while idle)" if later else ""))
         self.engine = engine
         # The bound is enforced in submit() on the requests in flight (see there); the scheduler's
         # own bound, on requests not yet admitted, is only a backstop.
@@ -245,6 +252,12 @@ class Provider:
                     T = self._cold_chunks.pop(0)
                     secs = self.engine.warmup(chunks=[T], buckets=[])
                     self.log(f"compiled prefill {T} while idle in {secs:.1f} s")
+                    continue
+                if self.engine.cold_plans and time.monotonic() - self._last_busy > 1.0:
+                    secs = self.engine.warmup(chunks=[], decode_block=self.scheduler.decode_block,
+                                              samplers=[SamplingParams(temperature=0.0)])
+                    self.engine.cold_plans.clear()
+                    self.log(f"compiled the greedy sampler's decode steps while idle in {secs:.1f} s")
                     continue
                 self._work.wait(timeout=0.5)
                 self._work.clear()
