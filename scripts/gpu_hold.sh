@@ -42,7 +42,7 @@ trace)
   tail -8 "$RES/attention_bench.txt" 2>/dev/null
   taskset -c 13-15 timeout 90 python3 scripts/sampler_bench.py --json "$RES/sampler.json" 2>&1 | tail -6
   # the decode layer's launches under other configs (the MoE ones were never tuned)
-  taskset -c 13-15 timeout 180 python3 scripts/layer_kernel_bench.py --json "$RES/layer_kernels.json" \
+  taskset -c 13-15 timeout 180 python3 scripts/layer_kernel_bench.py --budget-s 160 --json "$RES/layer_kernels.json" \
     > "$RES/layer_kernels.txt" 2>&1; tail -4 "$RES/layer_kernels.txt"
   # the fourteenth session's H100 winners, on this card; then the ggml layout (pallas-q8's)
   taskset -c 13-15 timeout 150 python3 scripts/moe_prefill_bench.py --tokens 512 --skip-reference --reps 5 \

@@ -7,6 +7,7 @@ of ``GemvConfig`` variants, the first being what the code picks today (``pick_co
   qkv      ``qgemv_many(x, (q, k, v), norm=w)``: q Q4_K [4096, 2048], k Q4_K and v Q6_K [512, 2048]
   gate_up  ``moe_gemv_many(x, (gate, up), experts, pairs_per_row=8)``: Q4_K [128, 768, 2048] each
   down     ``moe_gemv(g, down, experts, up=u)``: Q6_K [128, 2048, 768], SwiGLU formed in-kernel
+  down_q4k the same for a Q4_K down projection (half the layers of a Q4_K_M file)
   output   ``qgemv(x, output)``: Q6_K [151936, 2048]
 
 Timing: one jitted call makes the launch R times back to back, each on its own weight copy (the
@@ -58,6 +59,7 @@ SWEEPS = {
                 C(64, 2, 8, 3, 2), C(64, 4, 8, 3, 1), C(32, 4, 4, 3, 1), C(16, 1, 2, 3, 8)],
     "down": [C(16, 1, 4, 3, 3), C(32, 1, 4, 3, 3), C(8, 1, 2, 3, 3), C(16, 1, 2, 3, 3), C(32, 3, 8, 3, 1),
              C(64, 1, 8, 3, 3), C(32, 3, 4, 3, 1)],
+    "down_q4k": [C(16, 1, 4, 3, 3), C(32, 1, 4, 3, 3), C(16, 1, 2, 3, 3), C(32, 3, 8, 3, 1), C(64, 1, 8, 3, 3)],
     "output": [C(32, 2, 8, 3), C(32, 4, 8, 3), C(64, 2, 8, 3), C(64, 4, 8, 3), C(16, 4, 8, 3), C(32, 2, 4, 3),
                C(128, 2, 8, 3)],
 }
@@ -110,9 +112,10 @@ def family(name: str, dims: dict, rng, max_copies: int):
         def launch(cfg):
             return jax.jit(lambda x, ws, sets: [moe_gemv_many(x, ws, ex, pairs_per_row=k, config=cfg, interpret=INTERP) for ex in sets])
         return current, launch, (x, ws, experts), nbytes
-    down = packed(T.Q6_K, (e, d, f_rows), rng)
+    down_type = T.Q6_K if name == "down" else T.Q4_K
+    down = packed(down_type, (e, d, f_rows), rng)
     g, u = (jnp.asarray(rng.standard_normal((k, f_rows)), jnp.float32) for _ in range(2))
-    current = pick_config("planes", "Q6_K", d, f_rows)
+    current = pick_config("planes", down_type.name, d, f_rows)
 
     def launch(cfg):
         return jax.jit(lambda g, u, w, sets: [(moe_gemv(g, w, ex, up=u, config=cfg, interpret=INTERP),) for ex in sets])
@@ -138,7 +141,7 @@ def time_us(fn, args, launches: int, reps: int, min_total_s: float) -> tuple[flo
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--families", default="qkv,gate_up,down,output")
+    p.add_argument("--families", default="gate_up,down,down_q4k,qkv,output")
     p.add_argument("--json", default="")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--min-total-s", type=float, default=0.05, help="wall time of one sample")
