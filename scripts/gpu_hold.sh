@@ -44,16 +44,16 @@ trace)
   # the decode layer's launches under other configs (the MoE ones were never tuned)
   taskset -c 13-15 timeout 180 python3 scripts/layer_kernel_bench.py --budget-s 160 --json "$RES/layer_kernels.json" \
     > "$RES/layer_kernels.txt" 2>&1; tail -4 "$RES/layer_kernels.txt"
-  # the fourteenth session's H100 winners, on this card; then the ggml layout (pallas-q8's)
-  taskset -c 13-15 timeout 150 python3 scripts/moe_prefill_bench.py --tokens 512 --skip-reference --reps 5 \
-    --configs 64,64,4,2,tf32x3 32,64,4,2,q-bf16x2 32,64,4,2,q-bf16 32,64,4,2,q-int8 > "$RES/moe_prefill_T512.jsonl" 2>&1
-  taskset -c 13-15 timeout 100 python3 scripts/moe_prefill_bench.py --tokens 512 --skip-reference --reps 5 --layout ggml \
-    --configs 32,64,4,2,q-int8 32,64,4,2,q-bf16x2 64,64,4,2,tf32x3 >> "$RES/moe_prefill_T512.jsonl" 2>&1
-  grep -h '"config"' "$RES/moe_prefill_T512.jsonl" | cut -c1-160
   # decode sizes: the engine's MoE GEMV against the GEMM on quant tiles (tensor cores)
   taskset -c 13-15 timeout 120 python3 scripts/moe_prefill_bench.py --tokens 1,8 --skip-reference --reps 10 \
     --configs 16,64,4,2,q-bf16x2 16,32,4,2,q-bf16x2 16,64,4,2,q-bf16 16,64,4,2,q-int8 > "$RES/moe_decode_sizes.jsonl" 2>&1
   grep -h 'layer_ms' "$RES/moe_decode_sizes.jsonl" | cut -c1-160
+  # 512 tokens on the ggml layout (pallas-q8's), then the fourteenth session's H100 winners on this card
+  taskset -c 13-15 timeout 100 python3 scripts/moe_prefill_bench.py --tokens 512 --skip-reference --reps 5 --layout ggml \
+    --configs 32,64,4,2,q-int8 32,64,4,2,q-bf16x2 64,64,4,2,tf32x3 > "$RES/moe_prefill_T512.jsonl" 2>&1
+  taskset -c 13-15 timeout 150 python3 scripts/moe_prefill_bench.py --tokens 512 --skip-reference --reps 5 \
+    --configs 64,64,4,2,tf32x3 32,64,4,2,q-bf16x2 32,64,4,2,q-bf16 32,64,4,2,q-int8 >> "$RES/moe_prefill_T512.jsonl" 2>&1
+  grep -h '"config"' "$RES/moe_prefill_T512.jsonl" | cut -c1-160
   ;;
 side)
   bash scripts/await_builds.sh 240 || exit 1
