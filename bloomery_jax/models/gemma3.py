@@ -80,7 +80,7 @@ class Config:
     # (ops/actquant.py), to compare with it on quantized files; "none" is the exact reference.
     act_rounding: str = "none"
     # Not from the file: the precision of the prefill products of packed weights (ops.qmatmul);
-    # the loader sets it for kernels=pallas-tf32 and pallas-qtiles (loader.PREFILL_PRECISION_OF).
+    # set by the loader's kernels= choice (loader.PREFILL_PRECISION_OF).
     prefill_precision: str = "tf32x3"
 
     def __post_init__(self):

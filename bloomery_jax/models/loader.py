@@ -26,7 +26,7 @@ from ..settings import ATTENTION, BRIDGES, KERNELS, ROUTING, WEIGHT_FORMS
 from .registry import module_for_file
 from .spec import check_tensors
 
-# kernels= choices that change only the prefill products' precision (pallas.moe_gemm precisions)
+# the prefill products' precision (pallas.moe_gemm precisions) a kernels= choice sets; others keep tf32x3
 PREFILL_PRECISION_OF = {"pallas-tf32": "tf32", "pallas-qtiles": "q-bf16x2", "pallas-q8": "q-int8"}
 
 
@@ -172,7 +172,7 @@ def load_model(path: str | os.PathLike, *, device=None, place="card", reserve_by
 
 def resolve_kernels(kernels: str, device=None) -> str:
     """The kernels of a ``kernels`` setting: itself, or for "auto" pallas-qtiles on a GPU (the pallas
-    kernels with quant tiles for the prefill experts: on the H100 at 512 tokens a 30B layer's
+    kernels with quant tiles for the prefill products: on the H100 at 512 tokens a 30B layer's
     experts took 1.42 ms against 2.45 on f32 tiles, at 1.1e-5 relative error against 1.2e-6;
     benchmarks/gpu_2026-12-05-s14), else reference."""
     if kernels not in KERNELS:

@@ -57,8 +57,8 @@ class Config:
     # (ops/actquant.py), to compare with it on quantized files; "none" is the exact reference.
     act_rounding: str = "none"
     # Not from the file: the precision of the prefill products of packed weights, experts
-    # (pallas.moe_gemm) and dense projections (ops.qmatmul); the loader sets it for
-    # kernels=pallas-tf32 and pallas-qtiles (loader.PREFILL_PRECISION_OF).
+    # (pallas.moe_gemm) and dense projections (ops.qmatmul); set by the loader's kernels= choice
+    # (loader.PREFILL_PRECISION_OF).
     prefill_precision: str = "tf32x3"
     # Not from the file: "pallas" makes one-token steps attend with pallas.decode_attention and
     # prefill steps with pallas.prefill_attention, read straight from the cache buffer

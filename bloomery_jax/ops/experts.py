@@ -25,7 +25,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ..pallas.moe_gemm import moe_gemm, pick_gemm_config, plan_tiles
+from ..pallas.moe_gemm import moe_gemm, pick_gemm_config, plan_tiles, tiles_round_activations
 from ..pallas.moe_gemv import moe_gemv, moe_gemv_many
 from ..pallas.qgemv_q8 import moe_gemv_q8, moe_gemv_q8_many
 from ..quant.repack import PackedWeight, repack_on_device
@@ -154,8 +154,8 @@ def _moe_swiglu_gemm(x, experts, weights, gate, up, down, act_rounding, config):
     plan = plan_tiles(experts.reshape(N * k), gate.shape[0], config.block_m)
     tok = plan.rows // k  # [M] token of each tiled row
     x = x.astype(jnp.float32)
-    if config.precision == "q-int8" and act_rounding == "ggml-cuda":
-        act_rounding = "none"  # the kernel rounds x to Q8_1 blocks itself, as ggml-cuda does
+    if tiles_round_activations(config.precision, act_rounding):
+        act_rounding = "none"  # the kernel rounds x itself
     xg = round_activations(x, weight_qtype(gate), act_rounding)[tok]  # [M, D]
     xu = round_activations(x, weight_qtype(up), act_rounding)[tok]
     gemm = functools.partial(moe_gemm, tile_experts=plan.tile_experts, config=config, interpret=interpret)

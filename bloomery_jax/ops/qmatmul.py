@@ -22,7 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ..pallas.moe_gemm import GEMM_ALGORITHMS, QUANT_TILES, dense_gemm
+from ..pallas.moe_gemm import GEMM_ALGORITHMS, QUANT_TILES, dense_gemm, tiles_round_activations
 from ..pallas.qgemv import qgemv, qgemv_many
 from ..pallas.qgemv_q8 import qgemv_q8, qgemv_q8_many
 from ..quant import QTensor, dequantize
@@ -67,13 +67,16 @@ def qmatmul(x: jax.Array, w, act_rounding: str = "none", precision: str = "tf32x
     if takes_q8(w, act_rounding) and x.size // x.shape[-1] <= GEMV_MAX_ROWS:
         rows = quantize_q8_1(x.reshape(-1, x.shape[-1]))  # [R, K] as Q8_1 blocks
         return qgemv_q8(rows, w, interpret=interpret_kernels()).reshape(*x.shape[:-1], w.shape[0])
-    x = round_activations(x.astype(jnp.float32), weight_qtype(w), act_rounding)
+    quant_tiles = isinstance(w, PackedWeight) and x.size // x.shape[-1] > GEMV_MAX_ROWS and precision in QUANT_TILES
+    x = x.astype(jnp.float32)
+    if not (quant_tiles and tiles_round_activations(precision, act_rounding)):
+        x = round_activations(x, weight_qtype(w), act_rounding)
     if isinstance(w, PackedWeight):
         rows = x.reshape(-1, x.shape[-1])  # [R, K]
+        if quant_tiles:
+            return dense_gemm(rows, w, precision, interpret=interpret_kernels()).reshape(*x.shape[:-1], w.shape[0])
         if rows.shape[0] <= GEMV_MAX_ROWS:
             return qgemv(rows, w, interpret=interpret_kernels()).reshape(*x.shape[:-1], w.shape[0])
-        if precision in QUANT_TILES:
-            return dense_gemm(rows, w, precision, interpret=interpret_kernels()).reshape(*x.shape[:-1], w.shape[0])
         if not interpret_kernels():
             return jnp.einsum("...k,nk->...n", x, as_f32(w), precision=GEMM_ALGORITHMS[precision])
     return jnp.einsum("...k,nk->...n", x, as_f32(w), precision=HIGHEST)

@@ -36,8 +36,8 @@ of x over each plane are f32, formed before the launch from the unrounded x. ``"
 llama.cpp's arithmetic: x rounded to its CUDA Q8_1 rows (``ops.actquant.quantize_q8_1``, up to
 2^-8 of each 32-block's largest), exact int8 x int8 -> int32 products, then the row's block
 scale; its min term sums the Q8_1 values, so the result is ``q8_1(x) . w`` up to f32 rounding,
-what ``act_rounding="ggml-cuda"`` computes (no ``kernels=`` choice selects it: on the H100 it
-ran slower than q-bf16). The interpreter multiplies the same bf16 or int8 operands, so the CPU
+what ``act_rounding="ggml-cuda"`` computes (``kernels=pallas-q8`` takes it; on the H100 it ran
+slower than q-bf16). The interpreter multiplies the same bf16 or int8 operands, so the CPU
 tests check the rounding too.
 """
 
@@ -247,6 +247,13 @@ def _quant_tile_inputs(x: jax.Array, parts: int, width: int, with_min: bool):
         rows, cols = [q8_1_ints(q8.qs).reshape(m, k).astype(jnp.int8)], [q8.d.T]
         sums = q8.d * (q8.sums[:, 0::2] + q8.sums[:, 1::2]).astype(F32)  # [M, K / 32]: W is 32 where mins are
     return rows, cols + ([sums.T] if with_min else [])
+
+
+def tiles_round_activations(precision: str, act_rounding: str) -> bool:
+    """Do the tiles of ``precision`` round x themselves as ``act_rounding`` asks? q-int8 tiles
+    round it to Q8_1 blocks, which is ``"ggml-cuda"``: the caller then rounds nothing first
+    (rounding Q8_1 values again gives the same values, only at the cost of a pass over x)."""
+    return precision == "q-int8" and act_rounding == "ggml-cuda"
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
