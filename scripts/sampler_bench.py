@@ -13,9 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -23,20 +21,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bloomery_jax.engine import sampling as S  # noqa: E402
-
-
-def timed_us(f, args, reps: int, calls: int) -> float:
-    """Median over ``reps`` samples of the time of one call, from ``calls`` back-to-back calls
-    (after one untimed call, which compiles)."""
-    jax.block_until_ready(f(*args))
-    samples = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        for _ in range(calls):
-            y = f(*args)
-        jax.block_until_ready(y)
-        samples.append((time.perf_counter() - t) / calls * 1e6)
-    return statistics.median(samples)
+from moe_decode_bench import median_us  # noqa: E402
 
 
 def main() -> int:
@@ -60,7 +45,7 @@ def main() -> int:
                 S.SEARCH_DIGIT_BITS = digits  # read at trace time
             f = jax.jit(lambda x, r, s=(method == "search"): S.sample_tokens(x, r, branch_free=True, search=s))
             tokens[(method, digits)] = np.asarray(f(x, rows))
-            r = dict(batch=B, method=method, digit_bits=digits, us=timed_us(f, (x, rows), a.reps, a.calls),
+            r = dict(batch=B, method=method, digit_bits=digits, us=median_us(f, [(x, rows)], a.reps, a.calls),
                      same_tokens_as_sort=bool(np.array_equal(tokens[(method, digits)], tokens[("sort", None)])))
             print(r, flush=True)
             results.append(r)
@@ -70,7 +55,7 @@ def main() -> int:
         for plan in (S.Plan(draw=True, n_top=S.MAX_N_PROBS), S.Plan(draw=False, n_top=0)):
             f = jax.jit(lambda x, r, plan=plan: S.sample(x, r, plan.n_top, plan.draw))
             r = dict(batch=B, method="plan-full" if plan.draw else "plan-greedy", digit_bits=None,
-                     us=timed_us(f, (x, rows), a.reps, a.calls))
+                     us=median_us(f, [(x, rows)], a.reps, a.calls))
             print(r, flush=True)
             results.append(r)
     if a.json:
