@@ -17,6 +17,7 @@ the index lock from someone committing in the same checkout.
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import platform
 import subprocess
@@ -80,7 +81,21 @@ def source_witness(repo: str | os.PathLike | None = None) -> dict[str, object]:
     """The witness dict (see the module docstring)."""
     commit, dirty = git_state(repo)
     return {"commit": commit, "dirty_tracked": dirty, "packages": package_versions(), "device": device_info(),
-            "python": platform.python_version(), "xla_flags": os.environ.get("XLA_FLAGS", "")}
+            "python": platform.python_version(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "gemv_tuned": gemv_tuned_file()}
+
+
+def gemv_tuned_file() -> object:
+    """The launch configs ``BLOOMERY_GEMV_TUNED`` names, as read (a run under them is another
+    engine's timing than the committed tables'); None when unset."""
+    path = os.environ.get("BLOOMERY_GEMV_TUNED")
+    if not path:
+        return None
+    try:
+        with open(path) as f:
+            return {"path": path, "entries": json.load(f)}
+    except (OSError, ValueError) as e:
+        return {"path": path, "error": f"{type(e).__name__}: {e}"}
 
 
 def describe(w: dict[str, object]) -> str:

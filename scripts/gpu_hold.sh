@@ -8,7 +8,8 @@
 #           while the 8-layer decode step is traced on cores 13-15 (graph_trace_probe.sh:
 #           single steps and blocks of 8), decode attention at 640 visible of 4096 slots, and
 #           the sampler's cuts by sort and by search and its greedy plan (scripts/sampler_bench.py),
-#           the decode layer's GEMV launch configs (layer_kernel_bench.py), and the prefill
+#           the decode layer's GEMV launch configs (layer_kernel_bench.py; its winners are what
+#           the later calls run under, BLOOMERY_GEMV_TUNED, unless TUNED=0), and the prefill
 #           expert GEMM at 512 tokens: f32 tiles against quant tiles, and at 1 and 8 tokens
 #           against the decode GEMV (moe_prefill_bench.py)
 #   side    llama-bench all on the card and -ncmoe 36, our card bench (block 8), our
@@ -32,6 +33,8 @@ OUT=${OUT:-/tmp/gpu_hold_out}
 RES=/tmp/gpu_hold_$call
 mkdir -p "$OUT" "$RES"
 K="--kernels ${KERNELS:-pallas-qtiles} --attention pallas --routing pallas"  # the GPU's defaults
+# the trace call's GEMV launch winners on this card (TUNED=0: the committed tables alone)
+[ "${TUNED:-1}" = 1 ] && [ -s /tmp/gemv_tuned.json ] && export BLOOMERY_GEMV_TUNED=/tmp/gemv_tuned.json
 B="python3 scripts/gpu_session.py --out $RES --reps 3 --parallel 1 $K --decode-block 8 --variant-timeout 220"
 M8=/tmp/bloomery/qwen3-30b-a3b-shape-8l-q4km.gguf
 case $call in
@@ -42,8 +45,10 @@ trace)
   tail -8 "$RES/attention_bench.txt" 2>/dev/null
   taskset -c 13-15 timeout 90 python3 scripts/sampler_bench.py --json "$RES/sampler.json" 2>&1 | tail -6
   # the decode layer's launches under other configs (the MoE ones were never tuned)
+  # (its winners go to /tmp/gemv_tuned.json, which the later calls on this warm machine run under)
   taskset -c 13-15 timeout 180 python3 scripts/layer_kernel_bench.py --budget-s 160 --json "$RES/layer_kernels.json" \
-    > "$RES/layer_kernels.txt" 2>&1; tail -4 "$RES/layer_kernels.txt"
+    --tuned-out "$RES/tuned.json" > "$RES/layer_kernels.txt" 2>&1; cat "$RES/layer_kernels.txt" | cut -c1-90
+  [ -s "$RES/tuned.json" ] && cp "$RES/tuned.json" /tmp/gemv_tuned.json
   # decode sizes: the engine's MoE GEMV against the GEMM on quant tiles (tensor cores)
   taskset -c 13-15 timeout 120 python3 scripts/moe_prefill_bench.py --tokens 1,8 --skip-reference --reps 10 \
     --configs 16,64,4,2,q-bf16x2 16,32,4,2,q-bf16x2 16,64,4,2,q-bf16 16,64,4,2,q-int8 > "$RES/moe_decode_sizes.jsonl" 2>&1

@@ -19,7 +19,11 @@ are compared with the first variant's: only the summation order differs, so a di
 valid blocks (``synth.blocks.random_blocks``): only speed is measured. Prints a line a variant and
 writes JSON to --json after each.
 
-  python scripts/layer_kernel_bench.py --json $OUT/layer_kernels.json          # GPU
+With ``--tuned-out FILE`` the winner of each family (the current pick unless another config is
+faster by more than --margin) is written in the form ``BLOOMERY_GEMV_TUNED`` reads
+(``pallas.qgemv_tuned.measured_here``), so the engine can run this card's launch configs.
+
+  python scripts/layer_kernel_bench.py --json $OUT/layer_kernels.json --tuned-out $OUT/tuned.json  # GPU
   python scripts/layer_kernel_bench.py --small --reps 1 --max-copies 2       # CPU smoke run
 """
 
@@ -80,7 +84,9 @@ def n_copies(nbytes: int, cap: int) -> int:
 
 
 def family(name: str, dims: dict, rng, max_copies: int):
-    """(current config, launch(cfg) -> fn(args) -> outputs, args, weight bytes read a launch)."""
+    """(current config, launch(cfg) -> fn(args) -> outputs, args, weight bytes read a launch,
+    the launch's entry key in a tuned-config file: ("single", layout, type, N, K) or ("many",
+    layout, [[type, N], ...], K))."""
     d, k = dims["hidden"], dims["top_k"]
     x = jnp.asarray(rng.standard_normal((1, d)), jnp.float32)
     if name in ("qkv", "output"):
@@ -88,11 +94,12 @@ def family(name: str, dims: dict, rng, max_copies: int):
             ws = (packed(T.Q4_K, (dims["q_rows"], d), rng), packed(T.Q4_K, (dims["kv_rows"], d), rng),
                   packed(T.Q6_K, (dims["kv_rows"], d), rng))
             norm = jnp.asarray(rng.uniform(0.5, 2, d), jnp.float32)
-            current = pick_many_config("planes", [(T(w.qtype).name, w.shape[0]) for w in ws], d)
+            weights = [(T(w.qtype).name, w.shape[0]) for w in ws]
+            current, key = pick_many_config("planes", weights, d), ("many", "planes", weights, d)
             one = lambda cfg: lambda x, w: qgemv_many(x, w, norm=norm, eps=1e-6, config=cfg, interpret=INTERP)  # noqa: E731
         else:
             ws = packed(T.Q6_K, (dims["vocab"], d), rng)
-            current = pick_config("planes", "Q6_K", dims["vocab"], d)
+            current, key = pick_config("planes", "Q6_K", dims["vocab"], d), ("single", "planes", "Q6_K", dims["vocab"], d)
             one = lambda cfg: lambda x, w: (qgemv(x, w, config=cfg, interpret=INTERP),)  # noqa: E731
         nbytes = sum(w.nbytes for w in jax.tree_util.tree_leaves(ws))
         sets = copies(ws, n_copies(nbytes, max_copies))
@@ -100,26 +107,27 @@ def family(name: str, dims: dict, rng, max_copies: int):
         def launch(cfg):
             f = one(cfg)
             return jax.jit(lambda x, sets: [f(x, w) for w in sets])
-        return current, launch, (x, sets), nbytes
+        return current, launch, (x, sets), nbytes, key
     e, f_rows = dims["experts"], dims["ff"]
     n_sets = max(1, min(max_copies, 16))
     experts = [jnp.asarray(rng.permutation(e)[:k], jnp.int32) for _ in range(n_sets)]  # [P] each, one token
     if name == "gate_up":
         ws = (packed(T.Q4_K, (e, f_rows, d), rng), packed(T.Q4_K, (e, f_rows, d), rng))
-        current = pick_many_config("planes", [("Q4_K", f_rows)] * 2, d)
+        weights = [("Q4_K", f_rows)] * 2
+        current, key = pick_many_config("planes", weights, d), ("many", "planes", weights, d)
         nbytes = sum(w.nbytes for w in ws) // e * k
 
         def launch(cfg):
             return jax.jit(lambda x, ws, sets: [moe_gemv_many(x, ws, ex, pairs_per_row=k, config=cfg, interpret=INTERP) for ex in sets])
-        return current, launch, (x, ws, experts), nbytes
+        return current, launch, (x, ws, experts), nbytes, key
     down_type = T.Q6_K if name == "down" else T.Q4_K
     down = packed(down_type, (e, d, f_rows), rng)
     g, u = (jnp.asarray(rng.standard_normal((k, f_rows)), jnp.float32) for _ in range(2))
-    current = pick_config("planes", down_type.name, d, f_rows)
+    current, key = pick_config("planes", down_type.name, d, f_rows), ("single", "planes", down_type.name, d, f_rows)
 
     def launch(cfg):
         return jax.jit(lambda g, u, w, sets: [(moe_gemv(g, w, ex, up=u, config=cfg, interpret=INTERP),) for ex in sets])
-    return current, launch, (g, u, down, experts), down.nbytes // e * k
+    return current, launch, (g, u, down, experts), down.nbytes // e * k, key
 
 
 def time_us(fn, args, launches: int, reps: int, min_total_s: float) -> tuple[float, list[float]]:
@@ -143,6 +151,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--families", default="gate_up,down,down_q4k,qkv,output")
     p.add_argument("--json", default="")
+    p.add_argument("--tuned-out", default="", help="write each family's winner here (BLOOMERY_GEMV_TUNED's form)")
+    p.add_argument("--margin", type=float, default=0.03, help="a config replaces the current pick only if this much faster")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--min-total-s", type=float, default=0.05, help="wall time of one sample")
     p.add_argument("--max-copies", type=int, default=16, help="weight copies / expert sets a timed call walks")
@@ -153,8 +163,9 @@ def main(argv=None) -> int:
     t_start = time.time()
     out = dict(meta=dict(argv=sys.argv, date=time.strftime("%Y-%m-%d %H:%M:%S"), jax=jax.__version__,
                          device=str(jax.devices()[0].device_kind), dims=dims), results=[])
+    tuned = dict(single=[], many=[])
     for name in a.families.split(","):
-        current, launch, args, nbytes = family(name, dims, np.random.default_rng(len(name)), a.max_copies)
+        current, launch, args, nbytes, key = family(name, dims, np.random.default_rng(len(name)), a.max_copies)
         launches = len(args[-1])
         ref = None
         for i, cfg in enumerate([current] + [c for c in SWEEPS[name] if c != current]):
@@ -182,7 +193,24 @@ def main(argv=None) -> int:
             if a.json:
                 with open(a.json, "w") as f:
                     json.dump(out, f, indent=1)
+        if a.tuned_out:
+            winner = pick_winner([r for r in out["results"] if r["family"] == name], a.margin)
+            if winner is not None:
+                tuned[key[0]].append([*key[1:], winner])
+                with open(a.tuned_out, "w") as f:
+                    json.dump(tuned, f, indent=1)
     return 0
+
+
+def pick_winner(rows: list[dict], margin: float) -> list | None:
+    """The config of a family's fastest row if it beats the current pick's time by more than
+    ``margin`` (a fraction), else the current pick's; None if the current pick was not timed."""
+    timed = [r for r in rows if "us" in r]
+    current = next((r for r in timed if r["current"]), None)
+    if current is None:
+        return None
+    best = min(timed, key=lambda r: r["us"])
+    return best["config"] if best["us"] < current["us"] * (1 - margin) else current["config"]
 
 
 if __name__ == "__main__":

@@ -130,6 +130,35 @@ def test_many_in_one_launch():
         qgemv_many(x, (ws[0], repack(weight(T.Q4_K, 32, 256, rng), T.Q4_K, (32, 256))), interpret=True)
 
 
+def test_tuned_file_overrides_the_tables(tmp_path, monkeypatch):
+    """``BLOOMERY_GEMV_TUNED`` (what ``layer_kernel_bench.py --tuned-out`` writes) comes before
+    the tables for the launches it names and leaves the others alone; a file that cannot be read
+    is an error naming it."""
+    import json
+
+    from bloomery_jax.pallas import qgemv_tuned
+
+    qkv = [("Q4_K", 4096), ("Q4_K", 512), ("Q6_K", 512)]
+    before_down = qgemv_tuned.pick_config("planes", "Q6_K", 2048, 768)
+    path = tmp_path / "tuned.json"
+    path.write_text(json.dumps({"single": [["planes", "Q4_K", 4096, 2048, [64, 1, 2, 3, 4]]],
+                                "many": [["planes", [list(w) for w in qkv], 2048, [16, 2, 4, 3, 2]]]}))
+    monkeypatch.setenv("BLOOMERY_GEMV_TUNED", str(path))
+    qgemv_tuned.measured_here.cache_clear()
+    try:
+        assert qgemv_tuned.pick_config("planes", "Q4_K", 4096, 2048) == GemvConfig(64, 1, 2, 3, 4)
+        assert qgemv_tuned.pick_many_config("planes", qkv, 2048) == GemvConfig(16, 2, 4, 3, 2)
+        assert qgemv_tuned.pick_config("planes", "Q6_K", 2048, 768) == before_down
+        path.write_text('{"single": [["planes", "Q4_K", 4096]]}')
+        qgemv_tuned.measured_here.cache_clear()
+        with pytest.raises(ValueError, match="BLOOMERY_GEMV_TUNED=.*tuned.json"):
+            qgemv_tuned.pick_config("planes", "Q4_K", 4096, 2048)
+    finally:
+        monkeypatch.delenv("BLOOMERY_GEMV_TUNED")
+        qgemv_tuned.measured_here.cache_clear()
+    assert qgemv_tuned.pick_config("planes", "Q4_K", 4096, 2048) == GemvConfig(*qgemv_tuned.TUNED[("planes", "Q4_K", 4096, 2048)])
+
+
 def test_many_launch_config(monkeypatch):
     """A launch over several weights takes the config of the weight with the most rows, or a
     TUNED_MANY entry, or the caller's; any of them gives each output within its bound."""

@@ -3,11 +3,18 @@
 ``TUNED[(layout, type, N, K)]`` and ``DEFAULTS[(layout, type)]`` hold (block_n,
 chunks_per_step, num_warps, num_stages[, split_k]), filled from ``scripts/kernel_bench.py`` runs on the
 H200 (benchmarks/, docs/LOG.md). They change speed only, never results.
+
+A card other than the one measured can carry its own: ``scripts/layer_kernel_bench.py
+--tuned-out FILE`` writes the winners of its sweep, and ``BLOOMERY_GEMV_TUNED=FILE`` makes the
+picks below take them before these tables (read once per process).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
+import os
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,9 +70,31 @@ TUNED: dict[tuple[str, str, int, int], tuple[int, int, int, int]] = {
 }
 
 
+@functools.cache
+def measured_here() -> tuple[dict, dict]:
+    """``(TUNED-like, TUNED_MANY-like)`` entries of the file ``BLOOMERY_GEMV_TUNED`` names
+    (``{"single": [[layout, type, N, K, config]], "many": [[layout, [[type, N], ...], K,
+    config]]}``, config a list in ``GemvConfig`` order); empty dicts without one. A file that
+    cannot be read is an error naming it: a tuning asked for must not silently fall away."""
+    path = os.environ.get("BLOOMERY_GEMV_TUNED")
+    if not path:
+        return {}, {}
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        single = {(lay, typ, int(n), int(k)): tuple(cfg) for lay, typ, n, k, cfg in data.get("single", [])}
+        many = {(lay, tuple((typ, int(n)) for typ, n in ws), int(k)): tuple(cfg) for lay, ws, k, cfg in data.get("many", [])}
+        for cfg in (*single.values(), *many.values()):
+            GemvConfig(*cfg)
+    except (OSError, ValueError, TypeError) as err:
+        raise ValueError(f"BLOOMERY_GEMV_TUNED={path}: not a tuned-config file ({err})") from err
+    return single, many
+
+
 def pick_config(layout: str, type_name: str, n: int, k: int) -> GemvConfig:
     """The tuned launch parameters for this weight, else the layout's default for its type."""
-    row = TUNED.get((layout, type_name, n, k)) or DEFAULTS.get((layout, type_name))
+    key = (layout, type_name, n, k)
+    row = measured_here()[0].get(key) or TUNED.get(key) or DEFAULTS.get((layout, type_name))
     return GemvConfig(*row) if row else GemvConfig()
 
 
@@ -81,7 +110,8 @@ def pick_many_config(layout: str, weights: list[tuple[str, int]], k: int) -> Gem
     mostly its programs). The 2026-12-04 H200 trace showed why not the smallest ``block_n`` of
     all, as before: q, k and v of a Qwen3-30B-A3B layer ran in 15-20 us in 1,280 programs of
     8 rows, where q alone at its own config took 7.7 us."""
-    row = TUNED_MANY.get((layout, tuple(weights), k))
+    key = (layout, tuple(weights), k)
+    row = measured_here()[1].get(key) or TUNED_MANY.get(key)
     if row:
         return GemvConfig(*row)
     type_name, n = max(weights, key=lambda w: w[1])
