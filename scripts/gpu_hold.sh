@@ -65,7 +65,7 @@ side)
   python3 scripts/gpu_session.py --out $RES llamacpp --only card,ncmoe36
   $B bench --only card
   $B --bridge ffi --signal doorbell bench --only ncmoe36
-  $B --bridge ffi --signal doorbell --pages huge bench --only ncmoe36
+  [ "${HUGE:-0}" = 1 ] && $B --bridge ffi --signal doorbell --pages huge bench --only ncmoe36  # refuted on the H100 (s14)
   [ $SECONDS -lt 450 ] && $B --bridge ffi --signal hostfunc bench --only ncmoe36
   python3 scripts/gpu_session.py --out $RES compare
   ;;
