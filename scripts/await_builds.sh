@@ -12,3 +12,5 @@ for job in llbuild model48; do
   echo "$job: rc $rc after ${t}s of waiting"
   [ "$rc" = 0 ] || { tail -5 /tmp/$job.log 2>/dev/null; exit 1; }
 done
+# a call that carried .baseline again has a bare folder: put the build back
+[ -x .baseline/build/bin/llama-bench ] || { mkdir -p .baseline && cp -a /tmp/llama-build .baseline/build; }

@@ -2,19 +2,20 @@
 # One hold of the GPU machine as four back-to-back calls (each under 10 minutes; the machine
 # stays warm only ~30 s between calls, so /tmp keeps the builds and the files only if the next
 # call follows at once). Each call packs what it wrote into $OUT/<call>.tgz (a call returns 8
-# files at most). Every call: carry .whl (and .baseline for `trace`, which builds llama.cpp).
+# files at most). Every call: carry .whl (and .baseline for `trace`, which builds llama.cpp; a
+# later call that carries it too gets its build back from /tmp, scripts/await_builds.sh).
 #
 #   trace   llama.cpp builds and the 48-layer file is written in the background (cores 0-12)
 #           while the 8-layer decode step is traced on cores 13-15 (graph_trace_probe.sh:
-#           single steps and blocks of 8), decode attention at 640 visible of 4096 slots, and
-#           the sampler's cuts by sort and by search and its greedy plan (scripts/sampler_bench.py),
+#           single steps and blocks of 8), decode attention at 640 visible of 4096 slots,
 #           the decode layer's GEMV launch configs (layer_kernel_bench.py; its winners are what
 #           the later calls run under, BLOOMERY_GEMV_TUNED, unless TUNED=0), and the prefill
-#           expert GEMM at 512 tokens: f32 tiles against quant tiles, and at 1 and 8 tokens
-#           against the decode GEMV (moe_prefill_bench.py)
+#           expert GEMM at 512 tokens: f32 tiles against quant tiles (moe_prefill_bench.py).
+#           (The sixteenth session dropped the sampler bench, which spent its 90 s compiling,
+#           and the GEMM at 1 and 8 tokens: the GEMV won both, benchmarks/gpu_2026-12-05-s16.)
 #   side    llama-bench all on the card and -ncmoe 36, our card bench (block 8), our
-#           n-cpu-moe=36 bench over the FFI bridge: doorbell signal, the same with the host
-#           experts on huge pages, then (time left) the hostfunc signal; ratios
+#           n-cpu-moe=36 bench over the FFI bridge: doorbell signal (HUGE=1: again with the host
+#           experts on huge pages), then (time left) the hostfunc signal; ratios
 #   hybrid  host kernel layouts and the three bridges (gpu_session.py host), llama-bench -ncmoe 36,
 #           quarter budget static and lfu-stream over the FFI bridge with $SIGNAL (default
 #           doorbell), ratios; the card bench with the sampler's cuts by sort (sort/) and with
@@ -43,16 +44,10 @@ trace)
   [ "${ATTN:-1}" = 1 ] && taskset -c 13-15 timeout 120 python3 scripts/attention_bench.py --lengths 4096 --visible 640 --batch 1 \
     --splits 0,4,16 --heads-per-program 8 > "$RES/attention_bench.txt" 2>&1
   tail -8 "$RES/attention_bench.txt" 2>/dev/null
-  taskset -c 13-15 timeout 90 python3 scripts/sampler_bench.py --json "$RES/sampler.json" 2>&1 | tail -6
-  # the decode layer's launches under other configs (the MoE ones were never tuned)
   # (its winners go to /tmp/gemv_tuned.json, which the later calls on this warm machine run under)
   taskset -c 13-15 timeout 180 python3 scripts/layer_kernel_bench.py --budget-s 160 --json "$RES/layer_kernels.json" \
     --tuned-out "$RES/tuned.json" > "$RES/layer_kernels.txt" 2>&1; cat "$RES/layer_kernels.txt" | cut -c1-90
   [ -s "$RES/tuned.json" ] && cp "$RES/tuned.json" /tmp/gemv_tuned.json
-  # decode sizes: the engine's MoE GEMV against the GEMM on quant tiles (tensor cores)
-  taskset -c 13-15 timeout 120 python3 scripts/moe_prefill_bench.py --tokens 1,8 --skip-reference --reps 10 \
-    --configs 16,64,4,2,q-bf16x2 16,32,4,2,q-bf16x2 16,64,4,2,q-bf16 16,64,4,2,q-int8 > "$RES/moe_decode_sizes.jsonl" 2>&1
-  grep -h 'layer_ms' "$RES/moe_decode_sizes.jsonl" | cut -c1-160
   # 512 tokens on the ggml layout (pallas-q8's), then the fourteenth session's H100 winners on this card
   taskset -c 13-15 timeout 100 python3 scripts/moe_prefill_bench.py --tokens 512 --skip-reference --reps 5 --layout ggml \
     --configs 32,64,4,2,q-int8 32,64,4,2,q-bf16x2 64,64,4,2,tf32x3 > "$RES/moe_prefill_T512.jsonl" 2>&1

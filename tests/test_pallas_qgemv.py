@@ -166,6 +166,7 @@ def test_many_launch_config(monkeypatch):
     from bloomery_jax.pallas.qgemv import qgemv_many
 
     qkv = [("Q4_K", 4096), ("Q4_K", 512), ("Q6_K", 512)]
+    monkeypatch.delitem(qgemv_tuned.TUNED_MANY, ("planes", tuple(qkv), 2048), raising=False)
     assert qgemv_tuned.pick_many_config("planes", qkv, 2048) == qgemv_tuned.pick_config("planes", "Q4_K", 4096, 2048)
     monkeypatch.setitem(qgemv_tuned.TUNED_MANY, ("planes", tuple(qkv), 2048), (64, 1, 4, 2, 2))
     assert qgemv_tuned.pick_many_config("planes", qkv, 2048) == GemvConfig(64, 1, 4, 2, 2)

@@ -64,6 +64,12 @@ TUNED: dict[tuple[str, str, int, int], tuple[int, int, int, int]] = {
     ("planes", "Q6_K", 2048, 4096): (16, 2, 4, 3, 4),  # 9.8 us
     ("planes", "Q4_K", 512, 2048): (8, 1, 2, 3, 4),  # k, v: 6.0 us
     ("planes", "Q6_K", 512, 2048): (16, 1, 4, 3, 8),  # 6.6 us
+    # the decode layer's MoE down projections (moe_gemv, 8 pairs, SwiGLU formed in-kernel) and the
+    # output head, measured 2026-12-05 on an H100 (benchmarks/gpu_2026-12-05-s16/trace,
+    # scripts/layer_kernel_bench.py): down Q6_K 24.3 -> 18.0 us, Q4_K 18.0 -> 13.0, head 172.9 -> 147.2
+    ("planes", "Q6_K", 2048, 768): (32, 3, 8, 3, 1),
+    ("planes", "Q4_K", 2048, 768): (16, 1, 2, 3, 3),
+    ("planes", "Q6_K", 151936, 2048): (64, 2, 8, 3, 1),
     # q8 where another config beat the default by more than 15% (same sweep, rounding included)
     ("q8", "Q4_K", 4096, 2048): (64, 1, 4, 3, 4),  # 6.6 us (default 8.0)
     ("q8", "Q6_K", 2048, 768): (32, 1, 4, 3, 2),  # 7.2 us (default 9.3)
@@ -99,9 +105,12 @@ def pick_config(layout: str, type_name: str, n: int, k: int) -> GemvConfig:
 
 
 # Launches over several weights (``qgemv_many``: q, k, v; ``moe_gemv_many``: gate, up), keyed by
-# (layout, ((type, N), ...), K) in the launch's weight order; none measured yet
-# (``scripts/layer_kernel_bench.py`` times them at the decode shapes).
-TUNED_MANY: dict[tuple, tuple[int, ...]] = {}
+# (layout, ((type, N), ...), K) in the launch's weight order, timed at the decode shapes by
+# ``scripts/layer_kernel_bench.py``: Qwen3-30B-A3B's, 2026-12-05 on an H100 (same run as above).
+TUNED_MANY: dict[tuple, tuple[int, ...]] = {
+    ("planes", (("Q4_K", 768), ("Q4_K", 768)), 2048): (32, 1, 4, 3, 4),  # gate/up, 8 pairs: 19.6 -> 16.9 us
+    ("planes", (("Q4_K", 4096), ("Q4_K", 512), ("Q6_K", 512)), 2048): (32, 2, 8, 3, 4),  # q/k/v with the norm
+}
 
 
 def pick_many_config(layout: str, weights: list[tuple[str, int]], k: int) -> GemvConfig:
