@@ -222,7 +222,7 @@ def test_decode_step_lowers_to_triton_for_h200(q4km, monkeypatch):
     built = triton_kernels(monkeypatch, step, model.params, jnp.zeros((1, 1), jnp.int32), jnp.full((1, 1), 5, jnp.int32),
                            cache, model.placement)
     names = {name for name, _, _ in built}
-    assert {"qgemv_many", "decode_qk_prep", "decode_attention", "route_topk", "moe_gemv_many"} <= names, names
+    assert {"qgemv_many", "decode_qk_prep", "decode_attention", "router_logits", "route_topk", "moe_gemv_many"} <= names, names
     assert all(cc == 90 and ok for _, cc, ok in built)
     # a 16-token prefill step: flash attention from the cache, the grouped expert GEMM
     built = triton_kernels(monkeypatch, step, model.params, jnp.zeros((1, 16), jnp.int32),
@@ -261,7 +261,7 @@ def test_decode_block_lowers_graph_ready_for_h200(q4km, monkeypatch):
             jnp.ones(rows, bool))
     built = triton_kernels(monkeypatch, block, *args)
     names = {name for name, _, _ in built}
-    assert {"qgemv_many", "decode_qk_prep", "decode_attention", "route_topk", "moe_gemv_many"} <= names, names
+    assert {"qgemv_many", "decode_qk_prep", "decode_attention", "router_logits", "route_topk", "moe_gemv_many"} <= names, names
     assert all(cc == 90 and ok for _, cc, ok in built)
     text = lowered_for_h200(block, *args)
     assert text.count("stablehlo.while") == 1  # the scan itself

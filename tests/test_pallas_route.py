@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from triton_lowering import triton_kernels
 
+from bloomery_jax.ops.norms import rms_norm
 from bloomery_jax.ops.routing import route_topk as reference
-from bloomery_jax.pallas.route import route_topk
+from bloomery_jax.pallas.route import route_topk, router_logits, router_logits_serves
 
 
 @pytest.mark.parametrize("N, E, k", [(1, 128, 8), (5, 128, 8), (37, 60, 4), (16, 8, 1), (3, 8, 8), (2, 6, 5)])
@@ -79,6 +80,43 @@ def test_lowers_to_triton_for_h200(monkeypatch, N):
     table = jax.ShapeDtypeStruct((48, 128), jnp.int32)  # with the placement lookup
     placed = triton_kernels(monkeypatch, lambda x, t: route_topk(x, 8, t, 47), logits, table)
     assert placed == [("route_topk", 90, True)]
+
+
+@pytest.mark.parametrize("N, E, D, block_e", [(1, 128, 2048, 4), (8, 128, 2048, 16), (3, 60, 64, 8), (2, 8, 48, 4)])
+def test_router_logits_match_the_norm_and_product(N, E, D, block_e):
+    """Each logit within (D / chunk + chunk + 4) * 2^-24 * sum_d |h_d w_d| of rms_norm(x) @ w.T
+    in float64 (h: the normed row; chunk: router_logits' D chunk, <= 256); a logit of the wrong
+    expert's row fails that bound."""
+    rng = np.random.default_rng(N * 7 + E + D)
+    x = jnp.asarray(rng.standard_normal((N, D)) * 3, jnp.float32)
+    norm = jnp.asarray(rng.uniform(0.5, 2, D), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((E, D)) * 0.02, jnp.float32)
+    got = np.asarray(router_logits(x, norm, 1e-6, w, block_e=block_e, interpret=True), np.float64)
+    h = np.asarray(rms_norm(x, norm, 1e-6), np.float64)  # [N, D], itself a few ulps from the kernel's
+    wf = np.asarray(w, np.float64)
+    ref, mag = h @ wf.T, np.abs(h) @ np.abs(wf).T
+    chunk = min(256, D & -D)
+    bound = (D // chunk + chunk + 4) * 2.0 ** -24 * mag
+    assert got.shape == (N, E) and (np.abs(got - ref) <= bound).all()
+    assert not (np.abs(got - h @ np.roll(wf, 1, axis=0).T) <= bound).all()
+
+
+def test_router_logits_refuses_what_it_cannot_serve():
+    w = jnp.zeros((128, 2048), jnp.float32)
+    assert router_logits_serves(8, w) and not router_logits_serves(9, w)
+    assert not router_logits_serves(1, w.astype(jnp.bfloat16)) and not router_logits_serves(1, w[:126])
+    with pytest.raises(ValueError, match="router_logits: needs"):
+        router_logits(jnp.zeros((9, 2048)), jnp.ones(2048), 1e-6, w, interpret=True)
+
+
+@pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
+@pytest.mark.parametrize("N", [1, 8])
+def test_router_logits_lower_to_triton_for_h200(monkeypatch, N):
+    x = jax.ShapeDtypeStruct((N, 2048), jnp.float32)
+    norm = jax.ShapeDtypeStruct((2048,), jnp.float32)
+    w = jax.ShapeDtypeStruct((128, 2048), jnp.float32)
+    assert triton_kernels(monkeypatch, lambda x, n, w: router_logits(x, n, 1e-6, w), x, norm, w) == [
+        ("router_logits", 90, True)]
 
 
 def test_model_routing_pallas_matches_xla(synth_model):

@@ -22,6 +22,10 @@ from ..ops.qmatmul import as_f32, interpret_kernels, qmatmul, qmatmul_many, take
 from ..ops.rope import RopeConfig, apply_rope, rope_cos_sin
 from ..ops.routing import route_topk
 from ..pallas import attn_prep
+from ..pallas.route import route_topk as fused_route_topk
+from ..pallas.route import router_logits as router_logits_kernel
+from ..pallas.route import router_logits_serves
+from ..quant.qtensor import QTensor
 from .kv_cache import KVCache
 from .spec import TensorSpec, attention_specs, embedding_specs
 
@@ -269,12 +273,16 @@ def _moe_block(params, cfg: Config, i: int, x, placement):
     b = f"blk.{i}."
     B, T, D = x.shape
     norm = (as_f32(params[b + "ffn_norm.weight"]), cfg.rms_eps)
-    h = rms_norm(x, *norm).reshape(B * T, D)  # [N, D]
-    router_logits = qmatmul(h, params[b + "ffn_gate_inp.weight"], cfg.act_rounding)  # [N, E]
+    router = params[b + "ffn_gate_inp.weight"]
+    router_f32 = router.data if isinstance(router, QTensor) and router.qtype == 0 else router  # F32: as stored
     card = None
+    if cfg.routing == "pallas" and router_logits_serves(B * T, router_f32):
+        # a decode step's norm and router product in one launch (an F32 router: no activation rounding)
+        router_logits = router_logits_kernel(x.reshape(B * T, D), *norm, router_f32, interpret=interpret_kernels())
+    else:
+        h = rms_norm(x, *norm).reshape(B * T, D)  # [N, D]
+        router_logits = qmatmul(h, router, cfg.act_rounding)  # [N, E]
     if cfg.routing == "pallas":
-        from ..pallas.route import route_topk as fused_route_topk
-
         # with a placement the kernel also looks up each pick's card slot (no lookup kernel)
         table = () if placement is None else (placement.slot_of, i)
         experts, weights, margin, *card = fused_route_topk(router_logits, cfg.n_experts_used, *table,

@@ -18,6 +18,13 @@ forms in a kernel of its own (``ops.experts.placed_moe_swiglu``'s lookup).
 How: a Pallas kernel (Triton lowering) per block of tokens holds the block's logits (experts
 padded to a power of two with -inf), takes the maximum and the sum of exponentials, then picks
 k + 1 times the largest remaining logit and masks it out.
+
+``router_logits(x, norm, eps, w)`` gives the logits a decode step routes by,
+``rms_norm(x, norm, eps) @ w.T``, in one launch: on the GPU the norm's reduction, its multiply
+and the router's product were three XLA kernels a layer (~4.9 us of a ~84 us layer on the H100,
+benchmarks/gpu_2026-12-05-s16/trace). Program j forms the normed rows of x itself
+(``qgemv._NormedRows``: ggml's order of operations) and the logits of experts
+``j*block_e ..`` by walking D in chunks.
 """
 
 from __future__ import annotations
@@ -31,9 +38,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ..ops.routing import WEIGHT_SUM_MIN
+from .qgemv import _NormedRows
 
 F32 = jnp.float32
-__all__ = ["CardRoute", "route_topk"]
+LOGITS_MAX_ROWS = 8  # rows of x router_logits unrolls (a decode step's tokens)
+__all__ = ["CardRoute", "route_topk", "router_logits", "router_logits_serves"]
 
 
 class CardRoute(NamedTuple):
@@ -141,3 +150,72 @@ def route_topk(router_logits: jax.Array, k: int, slot_table: jax.Array | None = 
     if not placed:
         return experts, weights, margin
     return experts, weights, margin, CardRoute(out[3][:N, :k], out[4][:N, :k])
+
+
+def _logits_chunk(d: int) -> int:
+    """The D chunk router_logits walks: the largest power of two <= 256 dividing D (0: none >= 16)."""
+    c = 256
+    while c >= 16 and d % c:
+        c //= 2
+    return c if c >= 16 else 0
+
+
+def router_logits_serves(n_rows: int, w) -> bool:
+    """``router_logits`` takes these: at most LOGITS_MAX_ROWS rows, a float32 ``[E, D]`` router
+    weight held as a plain array, E a multiple of 4 and D of 16."""
+    return (1 <= n_rows <= LOGITS_MAX_ROWS and isinstance(w, jax.Array) and w.dtype == F32 and w.ndim == 2
+            and w.shape[0] % 4 == 0 and _logits_chunk(w.shape[1]) > 0)
+
+
+def _logits_kernel(x_ref, n_ref, w_ref, o_ref, *, eps: float, chunk: int):
+    # x_ref [N, D] rows of x; n_ref [D] the norm weight; w_ref [BE, D] router rows; o_ref [N, BE]
+    n_rows, d = x_ref.shape
+    xn = _NormedRows(x_ref, n_ref, eps, n_rows)
+    be = w_ref.shape[0]
+
+    def step(c, accs):
+        cols = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
+        w = w_ref[:, cols]  # [BE, chunk]
+        return tuple(acc + w * xn[b, cols][None, :] for b, acc in enumerate(accs))
+
+    accs = jax.lax.fori_loop(0, d // chunk, step, tuple(jnp.zeros((be, chunk), F32) for _ in range(n_rows)))
+    for b, acc in enumerate(accs):
+        o_ref[b, :] = jnp.sum(acc, axis=1)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "block_e", "interpret"))
+def router_logits(x: jax.Array, norm: jax.Array, eps: float, w: jax.Array, *, block_e: int = 4,
+                  interpret: bool = False) -> jax.Array:
+    """``ops.norms.rms_norm(x, norm, eps) @ w.T`` in one launch (module docstring).
+
+    Each logit sums D products in chunks of ``chunk`` columns (one accumulator element a column),
+    then the chunk's columns: the sum order differs from a plain dot, so logits agree to
+    ~(D / chunk + chunk) * 2^-24 * sum_d |xn_d w_d|, and the normed row to a few ulps.
+
+    Args:
+      x: float ``[N, D]``, N <= LOGITS_MAX_ROWS.
+      norm: float ``[D]``, the RMS-norm weight; eps its epsilon.
+      w: float32 ``[E, D]``, the router weight (``router_logits_serves``).
+      block_e: experts a program (a power of two dividing E; lowered until it does).
+      interpret: run with the Pallas interpreter (CPU tests).
+    Returns:
+      float32 ``[N, E]``.
+    """
+    if x.ndim != 2 or not router_logits_serves(x.shape[0], w) or w.shape[1] != x.shape[1] or norm.shape != (x.shape[1],):
+        raise ValueError(f"router_logits: needs x [N<={LOGITS_MAX_ROWS}, D], norm [D] and a float32 router "
+                         f"[E, D] (E a multiple of 4, D of 16), got {x.shape}, {norm.shape} and {w.shape} {w.dtype}")
+    n_rows, d = x.shape
+    n_exp = w.shape[0]
+    while n_exp % block_e:
+        block_e //= 2
+    return pl.pallas_call(
+        functools.partial(_logits_kernel, eps=float(eps), chunk=_logits_chunk(d)),
+        out_shape=jax.ShapeDtypeStruct((n_rows, n_exp), F32),
+        grid=(n_exp // block_e,),
+        in_specs=[pl.BlockSpec((n_rows, d), lambda j: (0, 0)), pl.BlockSpec((d,), lambda j: (0,)),
+                  pl.BlockSpec((block_e, d), lambda j: (j, 0))],
+        out_specs=pl.BlockSpec((n_rows, block_e), lambda j: (0, j)),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret,
+        name="router_logits",
+    )(x.astype(F32), norm.astype(F32), w)
