@@ -18,9 +18,8 @@
 #           experts on huge pages), then (time left) the hostfunc signal; ratios
 #   hybrid  host kernel layouts and the three bridges (gpu_session.py host), llama-bench -ncmoe 36,
 #           quarter budget static and lfu-stream over the FFI bridge with $SIGNAL (default
-#           doorbell), ratios; the card bench with the sampler's cuts by sort (sort/) and with
-#           WHILE and CONDITIONAL command buffers (while/); with QPROF=1 and time left, the
-#           quarter-static decode profile (8 layers)
+#           doorbell), ratios; n-cpu-moe=36 with 12 Numba threads (threads12/); with QPROF=1
+#           and time left, the quarter-static decode profile (8 layers)
 #   prefill the card bench with quant-tile and with f32-tile prefill experts (kernels pallas-qtiles,
 #           the default, and pallas), with time left pallas-q8 and the 8-layer pp512 profile
 #
@@ -69,11 +68,10 @@ hybrid)
   python3 scripts/gpu_session.py --out $RES llamacpp --only ncmoe36
   $B --bridge ffi --signal "${SIGNAL:-doorbell}" bench --only quarter-static,quarter-lfu-stream
   python3 scripts/gpu_session.py --out $RES compare
-  # the card decode with the sampler's cuts by sort, against the side call's (by search)
-  mkdir -p $RES/sort && BLOOMERY_SAMPLER_CUTS=sort ${B/--out $RES/--out $RES/sort} bench --only card
-  # and with a block's loop and conditionals allowed as CUDA graph nodes
-  mkdir -p $RES/while && XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL \
-    ${B/--out $RES/--out $RES/while} bench --only card
+  # the engine's host calls with two cores fewer for the Numba workers (is a spinning runtime
+  # thread what holds them at ~42 GB/s inside the engine? docs/LOG.md, sixteenth session)
+  [ $SECONDS -lt 400 ] && mkdir -p $RES/threads12 && NUMBA_NUM_THREADS=12 \
+    ${B/--out $RES/--out $RES/threads12} --bridge ffi --signal "${SIGNAL:-doorbell}" bench --only ncmoe36
   if [ "${QPROF:-0}" = 1 ] && [ $SECONDS -lt 420 ]; then
     BLOOMERY_FFI_SIGNAL=${SIGNAL:-doorbell} timeout 150 python3 scripts/profile_decode.py --model $M8 $K \
       --place card-experts=32 --bridge ffi --decode-block 8 --steps 16 --out /tmp/qprof > "$RES/qprof.log" 2>&1

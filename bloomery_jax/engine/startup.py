@@ -152,8 +152,8 @@ def placement_stats(engine, record: dict, args) -> None:
     """Add the placement's numbers to a result record; save the routing trace if one was kept.
 
     Adds ``placement`` (the rule), ``card_served_fraction`` of the routed calls (with residency
-    also over the last 16 steps), swaps and bytes moved, and the host bridge's call count and
-    seconds inside the host kernels.
+    also over the last 16 steps), swaps and bytes moved, and the host bridge's call count,
+    seconds inside the host kernels and Numba threads.
     """
     model = engine.model
     if model.placement is None:  # a dense model: nothing placed (make_trace refused a trace)
@@ -164,6 +164,7 @@ def placement_stats(engine, record: dict, args) -> None:
         stats["host_calls"] = host.stats.calls
         stats["host_pairs"] = host.stats.pairs
         stats["host_kernel_s"] = host.stats.seconds
+        stats["host_threads"] = host.threads
     if engine.residency is not None:
         stats.update(engine.residency.stats())
         stats["policy"] = args.residency
