@@ -14,7 +14,8 @@ WEIGHTS_HELP = ("card weights as the file's blocks (dequantized in every step), 
 KERNELS_HELP = ("card matmuls: reference (jnp dequantize + matmul), pallas (GPU kernels on repacked weights; "
                 "prefill products in three TF32 passes, close to f32), pallas-tf32 (one TF32 pass there: "
                 "faster, ~5e-4 relative error a layer), pallas-qtiles (there the stored quants times x in two "
-                "bf16 parts, scales applied after each sub-block, as llama.cpp's MMQ does), pallas-q8 "
+                "bf16 parts, scales applied after each sub-block, as llama.cpp's MMQ does), pallas-bf16 (the same in "
+                "one bf16 part: faster, x rounded to bf16, finer than llama.cpp's Q8_1 rows), pallas-q8 "
                 "(activations rounded to Q8_1 as llama.cpp's CUDA backend does; integer dot products at decode, int8 "
                 "tiles at prefill) "
                 "or auto: pallas-qtiles on a GPU (default auto)")

@@ -20,8 +20,8 @@
 #           quarter budget static and lfu-stream over the FFI bridge with $SIGNAL (default
 #           doorbell), ratios; n-cpu-moe=36 with 12 Numba threads (threads12/); with QPROF=1
 #           and time left, the quarter-static decode profile (8 layers)
-#   prefill the card bench with quant-tile and with f32-tile prefill experts (kernels pallas-qtiles,
-#           the default, and pallas), with time left pallas-q8 and the 8-layer pp512 profile
+#   prefill the card bench with the prefill products on quant tiles in two bf16 parts (pallas-qtiles,
+#           the default) and in one (pallas-bf16), with time left pallas-q8 and the 8-layer pp512 profile
 #
 #   order: trace, side, prefill, then hybrid if device time is left (about 8-10 minutes each)
 #
@@ -79,13 +79,13 @@ hybrid)
   fi
   ;;
 prefill)
-  # the card bench with the prefill experts on quant tiles (pallas-qtiles, the default) and on
-  # f32 tiles (pallas) in one call, llama.cpp's card row from the side call; then where an
-  # 8-layer pp512 goes
+  # the card bench with the prefill products on quant tiles in two bf16 parts (pallas-qtiles, the
+  # default) and in one (pallas-bf16) in one call, llama.cpp's card row from the side call; then
+  # where an 8-layer pp512 goes
   bash scripts/await_builds.sh 240 || exit 1
   [ "${BASE:-1}" = 1 ] && $B bench --only card  # BASE=0: side's card bench on this warm machine is the base
-  F=${B/--out $RES/--out $RES/f32tiles}
-  mkdir -p $RES/f32tiles && ${F/--kernels pallas-qtiles /--kernels pallas } bench --only card
+  F=${B/--out $RES/--out $RES/bf16}  # quant tiles with x in one bf16 part (0.92 against 1.37 ms a layer, H100 s14)
+  mkdir -p $RES/bf16 && ${F/--kernels pallas-qtiles /--kernels pallas-bf16 } bench --only card
   if [ $SECONDS -lt 330 ]; then  # int8 tile products (and Q8_1 activations everywhere)
     Q=${B/--out $RES/--out $RES/q8}
     mkdir -p $RES/q8 && ${Q/--kernels pallas-qtiles /--kernels pallas-q8 } bench --only card

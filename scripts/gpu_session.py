@@ -304,7 +304,7 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--variant-timeout", type=float, default=None, help="seconds one bench variant may run")
     p.add_argument("--layers", type=int, default=None, help="the big model with this many layers (default 48)")
-    p.add_argument("--kernels", default="auto", help="bench --kernels (reference | pallas | pallas-tf32 | pallas-qtiles | pallas-q8 | auto)")
+    p.add_argument("--kernels", default="auto", help="bench --kernels (reference | pallas | pallas-tf32 | pallas-qtiles | pallas-bf16 | pallas-q8 | auto)")
     p.add_argument("--attention", default="xla", choices=("xla", "pallas"), help="bench --attention (default xla)")
     p.add_argument("--routing", default="xla", choices=("xla", "pallas"), help="bench --routing (default xla)")
     p.add_argument("--bridge", default="callback", choices=("callback", "ffi"), help="bench --bridge (default callback)")

@@ -27,7 +27,7 @@ from .registry import module_for_file
 from .spec import check_tensors
 
 # the prefill products' precision (pallas.moe_gemm precisions) a kernels= choice sets; others keep tf32x3
-PREFILL_PRECISION_OF = {"pallas-tf32": "tf32", "pallas-qtiles": "q-bf16x2", "pallas-q8": "q-int8"}
+PREFILL_PRECISION_OF = {"pallas-tf32": "tf32", "pallas-qtiles": "q-bf16x2", "pallas-bf16": "q-bf16", "pallas-q8": "q-int8"}
 
 
 @dataclasses.dataclass(eq=False)
@@ -91,7 +91,9 @@ def load_model(path: str | os.PathLike, *, device=None, place="card", reserve_by
         "pallas-tf32" (as pallas, prefill products in one TF32 pass instead of three: sets
         ``cfg.prefill_precision``), "pallas-qtiles" (as pallas, prefill products multiply the
         stored quants by x in two bf16 parts, scales applied after each sub-block:
-        ``prefill_precision`` "q-bf16x2"), "pallas-q8" (as pallas with weights in the "ggml" layout and
+        ``prefill_precision`` "q-bf16x2"), "pallas-bf16" (as pallas-qtiles with x in one bf16 part:
+        "q-bf16", each activation within 2^-9 of itself, where llama.cpp's Q8_1 rows err up to
+        2^-8 of their block's largest), "pallas-q8" (as pallas with weights in the "ggml" layout and
         activations rounded to Q8_1 before every quantized matmul, as llama.cpp's CUDA backend
         does: decode GEMVs take integer dot products, prefill products int8 tiles; sets
         ``cfg.act_rounding="ggml-cuda"`` and ``prefill_precision`` "q-int8") or
