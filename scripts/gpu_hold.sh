@@ -20,8 +20,9 @@
 #           quarter budget static and lfu-stream over the FFI bridge with $SIGNAL (default
 #           doorbell), ratios; n-cpu-moe=36 with 12 Numba threads (threads12/); with QPROF=1
 #           and time left, the quarter-static decode profile (8 layers)
-#   prefill the card bench with the prefill products on quant tiles in two bf16 parts (pallas-qtiles,
-#           the default) and in one (pallas-bf16), with time left pallas-q8 and the 8-layer pp512 profile
+#   prefill the card bench with the prefill products on quant tiles with x in one bf16 part (pallas-bf16,
+#           the default since the sixteenth session, unmeasured end to end) and in two (pallas-qtiles,
+#           the sixteenth session's side-by-side), with time left pallas-q8 and the 8-layer pp512 profile
 #
 #   order: trace, side, prefill, then hybrid if device time is left (about 8-10 minutes each)
 #
@@ -32,7 +33,7 @@ call=$1
 OUT=${OUT:-/tmp/gpu_hold_out}
 RES=/tmp/gpu_hold_$call
 mkdir -p "$OUT" "$RES"
-K="--kernels ${KERNELS:-pallas-qtiles} --attention pallas --routing pallas"  # the GPU's defaults
+K="--kernels ${KERNELS:-pallas-bf16} --attention pallas --routing pallas"  # the GPU's defaults
 # the trace call's GEMV launch winners on this card (TUNED=0: the committed tables alone)
 [ "${TUNED:-1}" = 1 ] && [ -s /tmp/gemv_tuned.json ] && export BLOOMERY_GEMV_TUNED=/tmp/gemv_tuned.json
 B="python3 scripts/gpu_session.py --out $RES --reps 3 --parallel 1 $K --decode-block 8 --variant-timeout 220"
@@ -79,16 +80,16 @@ hybrid)
   fi
   ;;
 prefill)
-  # the card bench with the prefill products on quant tiles in two bf16 parts (pallas-qtiles, the
-  # default) and in one (pallas-bf16) in one call, llama.cpp's card row from the side call; then
+  # the card bench with the prefill products on quant tiles with x in one bf16 part (pallas-bf16, the
+  # default) and in two (pallas-qtiles) in one call, llama.cpp's card row from the side call; then
   # where an 8-layer pp512 goes
   bash scripts/await_builds.sh 240 || exit 1
   [ "${BASE:-1}" = 1 ] && $B bench --only card  # BASE=0: side's card bench on this warm machine is the base
-  F=${B/--out $RES/--out $RES/bf16}  # quant tiles with x in one bf16 part (0.92 against 1.37 ms a layer, H100 s14)
-  mkdir -p $RES/bf16 && ${F/--kernels pallas-qtiles /--kernels pallas-bf16 } bench --only card
+  F=${B/--out $RES/--out $RES/qtiles}  # x in two bf16 parts (1.42 against 0.95 ms a layer, H100 s14)
+  mkdir -p $RES/qtiles && ${F/--kernels pallas-bf16 /--kernels pallas-qtiles } bench --only card
   if [ $SECONDS -lt 330 ]; then  # int8 tile products (and Q8_1 activations everywhere)
     Q=${B/--out $RES/--out $RES/q8}
-    mkdir -p $RES/q8 && ${Q/--kernels pallas-qtiles /--kernels pallas-q8 } bench --only card
+    mkdir -p $RES/q8 && ${Q/--kernels pallas-bf16 /--kernels pallas-q8 } bench --only card
   fi
   if [ $SECONDS -lt 450 ]; then
     timeout 140 python3 scripts/profile_decode.py --model $M8 $K --prefill --prompt 512 --steps 3 \

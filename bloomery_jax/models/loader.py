@@ -97,7 +97,7 @@ def load_model(path: str | os.PathLike, *, device=None, place="card", reserve_by
         activations rounded to Q8_1 before every quantized matmul, as llama.cpp's CUDA backend
         does: decode GEMVs take integer dot products, prefill products int8 tiles; sets
         ``cfg.act_rounding="ggml-cuda"`` and ``prefill_precision`` "q-int8") or
-        "auto" (pallas-qtiles on a GPU, else reference). Weights no kernel can serve are listed on
+        "auto" (pallas-bf16 on a GPU, else reference). Weights no kernel can serve are listed on
         stderr and run the reference path.
       attention: "xla" (``ops.attention``, jnp) or "pallas": one-token (decode) steps attend
         with ``pallas.decode_attention`` and prefill steps with ``pallas.prefill_attention``
@@ -173,15 +173,16 @@ def load_model(path: str | os.PathLike, *, device=None, place="card", reserve_by
 
 
 def resolve_kernels(kernels: str, device=None) -> str:
-    """The kernels of a ``kernels`` setting: itself, or for "auto" pallas-qtiles on a GPU (the pallas
-    kernels with quant tiles for the prefill products: on the H100 at 512 tokens a 30B layer's
-    experts took 1.42 ms against 2.45 on f32 tiles, at 1.1e-5 relative error against 1.2e-6;
-    benchmarks/gpu_2026-12-05-s14), else reference."""
+    """The kernels of a ``kernels`` setting: itself, or for "auto" pallas-bf16 on a GPU (the pallas
+    kernels with quant tiles and bf16 activations for the prefill products: on the H100 at 512
+    tokens a 30B layer's experts took 0.95 ms, against 1.42 with x in two bf16 parts and 2.49 on
+    f32 tiles, at 8e-3 relative error, where llama.cpp's Q8_1 arithmetic gives 1.2e-2;
+    benchmarks/gpu_2026-12-05-s14 and -s16), else reference."""
     if kernels not in KERNELS:
         raise ConfigError(f"kernels={kernels!r}: must be one of {', '.join(KERNELS)}")
     if kernels == "auto":
         platform = (device or jax.devices()[0]).platform
-        return "pallas-qtiles" if platform in ("gpu", "cuda") else "reference"
+        return "pallas-bf16" if platform in ("gpu", "cuda") else "reference"
     return kernels
 
 
