@@ -17,10 +17,12 @@ attention (the partial sums and norms' reductions, the rotation's concatenation,
 dynamic-update-slices and a slice), each ~1.1-1.8 us of an ~96 us layer on the H200 (trace of 2026-12-04,
 ``benchmarks/gpu_2026-12-04-s10/trace-call1``), mostly the card's launch-to-launch gap.
 
-How: a Pallas kernel (Triton lowering) on a grid ``(B, Hkv)``; program (b, h) normalises and
-rotates the G = Hq / Hkv query heads of kv head h and that kv head's key (each head as its two
-halves, the rotation's pairs), and stores the key and value rows into the cache through
-``pl.ANY`` refs. Rounding: the same float32 operations as the reference, except the mean
+How: a Pallas kernel (Triton lowering) on a grid ``(B, Hkv, G + 1)``, G = Hq / Hkv: program
+(b, h, j < G) normalises and rotates query head h G + j, program (b, h, G) kv head h's key, and
+stores the key and value rows into the cache; each head as its two halves (the rotation's
+pairs), every store through a ``pl.ANY`` ref. One head a program: with one program per kv head
+doing its G query heads in turn, the kernel took 4.6 us a layer on the H100 (4 programs,
+benchmarks/gpu_2026-12-05-s16/trace). Rounding: the same float32 operations as the reference, except the mean
 square, which sums the two halves separately, and the partial sums, added in order (last bits
 only).
 """
@@ -56,35 +58,38 @@ def _normed_rotated(x0, x1, w_ref, cos, sin, eps: float):
     return y0 * cos - y1 * sin, y0 * sin + y1 * cos
 
 
-def _kernel(start_ref, pos_ref, qkv_ref, qn_ref, kn_ref, cos_ref, sin_ref, ck_in, cv_in, q_out, ck_ref, cv_ref,
+def _kernel(start_ref, pos_ref, qkv_ref, qn_ref, kn_ref, cos_ref, sin_ref, ck_in, cv_in, q_ref, ck_ref, cv_ref,
             *, groups: int, n_kv: int, layer: int, n_rows: int, n_slots: int, eps: float):
     # start_ref, pos_ref [1]; qkv_ref [P, (Hq + 2 Hkv) Dh]: partial sums of this sequence's q|k|v;
-    # q_out [G, Dh]; qn_ref, kn_ref [Dh]; cos_ref, sin_ref [Dh/2];
+    # qn_ref, kn_ref [Dh]; cos_ref, sin_ref [Dh/2]; q_ref [B, Hq, Dh] (whole);
     # ck_ref, cv_ref [L*N, S, Hkv, Dh] (the whole caches, aliased to ck_in, cv_in)
     del ck_in, cv_in  # the same buffers as ck_ref, cv_ref
     half = cos_ref.shape[0]
-    head = pl.program_id(1)  # the kv head
+    seq, head, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)  # read outside pl.when (interpreter)
     lo, hi = pl.ds(0, half), pl.ds(half, half)
     cos, sin = cos_ref[...].astype(F32), sin_ref[...].astype(F32)
 
     def halves(h):
         """Head h of q|k|v (h counts Dh-wide heads from q's first), its partial sums added: two [Dh/2]."""
-        parts = [[qkv_ref[s, pl.ds(h * 2 * half + j * half, half)].astype(F32) for j in range(2)]
+        parts = [[qkv_ref[s, pl.ds(h * 2 * half + i * half, half)].astype(F32) for i in range(2)]
                  for s in range(qkv_ref.shape[0])]
-        return [functools.reduce(lambda a, b: a + b, [p[j] for p in parts]) for j in range(2)]
+        return [functools.reduce(lambda a, b: a + b, [p[i] for p in parts]) for i in range(2)]
 
-    for g in range(groups):
-        a, b = _normed_rotated(*halves(head * groups + g), qn_ref, cos, sin, eps)
-        q_out[g, lo] = a
-        q_out[g, hi] = b
-    n_q = n_kv * groups
-    k0, k1 = _normed_rotated(*halves(n_q + head), kn_ref, cos, sin, eps)
-    v0, v1 = halves(n_q + n_kv + head)
-    pos = pos_ref[0]
-    row = layer * n_rows + start_ref[0] + pl.program_id(0)
-
-    @pl.when((pos >= 0) & (pos < n_slots))
+    @pl.when(j < groups)  # query head head * G + j
     def _():
+        q = head * groups + j
+        a, b = _normed_rotated(*halves(q), qn_ref, cos, sin, eps)
+        plgpu.store(q_ref.at[seq, q, lo], a)
+        plgpu.store(q_ref.at[seq, q, hi], b)
+
+    pos = pos_ref[0]
+    row = layer * n_rows + start_ref[0] + seq
+    n_q = n_kv * groups
+
+    @pl.when((j == groups) & (pos >= 0) & (pos < n_slots))  # the kv head's key and value
+    def _():
+        k0, k1 = _normed_rotated(*halves(n_q + head), kn_ref, cos, sin, eps)
+        v0, v1 = halves(n_q + n_kv + head)
         for ref, first, second in ((ck_ref, k0, k1), (cv_ref, v0, v1)):
             plgpu.store(ref.at[row, pos, head, lo], first.astype(ref.dtype))
             plgpu.store(ref.at[row, pos, head, hi], second.astype(ref.dtype))
@@ -127,19 +132,18 @@ def decode_qk_prep(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array, cos: ja
     G = Hq // Hkv
     flat = lambda a: a.reshape(L * N, S, Hkv, Dh)  # merges the leading axes: a view, not a copy  # noqa: E731
     whole = pl.BlockSpec(memory_space=pl.ANY)
-    table = pl.BlockSpec((None, Dh // 2), lambda b, h: (b, 0))  # [Dh/2]
-    norm = pl.BlockSpec((Dh,), lambda b, h: (0,))
-    q_heads = pl.BlockSpec((None, G, Dh), lambda b, h: (b, h, 0))  # [G, Dh]: query heads h*G..
-    sums = pl.BlockSpec((n_parts, None, width), lambda b, h: (0, b, 0))  # [P, width]: sequence b's partials
+    table = pl.BlockSpec((None, Dh // 2), lambda b, h, j: (b, 0))  # [Dh/2]
+    norm = pl.BlockSpec((Dh,), lambda b, h, j: (0,))
+    sums = pl.BlockSpec((n_parts, None, width), lambda b, h, j: (0, b, 0))  # [P, width]: sequence b's partials
     kernel = functools.partial(_kernel, groups=G, n_kv=Hkv, layer=int(layer), n_rows=N, n_slots=S, eps=float(eps))
     q_out, ck, cv = pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((B, Hq, Dh), F32), jax.ShapeDtypeStruct((L * N, S, Hkv, Dh), cache_k.dtype),
                    jax.ShapeDtypeStruct((L * N, S, Hkv, Dh), cache_k.dtype)),
-        grid=(B, Hkv),
-        in_specs=[pl.BlockSpec((1,), lambda b, h: (0,)), pl.BlockSpec((1,), lambda b, h: (b,)), sums, norm, norm,
+        grid=(B, Hkv, G + 1),
+        in_specs=[pl.BlockSpec((1,), lambda b, h, j: (0,)), pl.BlockSpec((1,), lambda b, h, j: (b,)), sums, norm, norm,
                   table, table, whole, whole],
-        out_specs=(q_heads, whole, whole),
+        out_specs=(whole, whole, whole),
         input_output_aliases={7: 1, 8: 2},
         compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
         interpret=interpret,
