@@ -142,7 +142,9 @@ def route_topk(router_logits: jax.Array, k: int, slot_table: jax.Array | None = 
         grid=(n_pad // tn,),
         in_specs=in_specs,
         out_specs=out_specs,
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        # a decode step's one or two rows of 128 logits fit one warp: its k + 1 rounds of max and
+        # min reduce by shuffles, with no shared-memory round trip between warps
+        compiler_params=plgpu.CompilerParams(num_warps=1 if tn * ep <= 256 else 4, num_stages=1),
         interpret=interpret,
         name="route_topk",
     )(*operands)
