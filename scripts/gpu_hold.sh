@@ -18,15 +18,17 @@
 #           experts on huge pages), then (time left) the hostfunc signal; ratios
 #   hybrid  host kernel layouts and the three bridges (gpu_session.py host), llama-bench -ncmoe 36,
 #           quarter budget static and lfu-stream over the FFI bridge with $SIGNAL (default
-#           doorbell), ratios; n-cpu-moe=36 with 12 Numba threads (threads12/); with QPROF=1
+#           doorbell), ratios; with QPROF=1
 #           and time left, the quarter-static decode profile (8 layers)
+#   hostab  n-cpu-moe=36 three ways: as is, with 12 Numba threads, with dynamic chunks of 4 work
+#           items (BLOOMERY_HOST_CHUNKSIZE): the engine's host kernel time under each
 #   prefill the card bench with the prefill products on quant tiles with x in one bf16 part (pallas-bf16,
 #           the default since the sixteenth session, unmeasured end to end) and in two (pallas-qtiles,
 #           the sixteenth session's side-by-side), with time left pallas-q8 and the 8-layer pp512 profile
 #
-#   order: trace, side, prefill, then hybrid if device time is left (about 8-10 minutes each)
+#   order: trace, side, prefill, hostab, then hybrid if device time is left (about 8-10 minutes each)
 #
-#   run: bash scripts/gpu_hold.sh trace|side|prefill|hybrid   (ATTN=0 skips the attention bench, QPROF=1
+#   run: bash scripts/gpu_hold.sh trace|side|prefill|hostab|hybrid   (ATTN=0 skips the attention bench, QPROF=1
 #        adds the quarter profile; HOST_LAYOUTS narrows gpu_session's host sweep)
 set -u
 call=$1
@@ -69,15 +71,24 @@ hybrid)
   python3 scripts/gpu_session.py --out $RES llamacpp --only ncmoe36
   $B --bridge ffi --signal "${SIGNAL:-doorbell}" bench --only quarter-static,quarter-lfu-stream
   python3 scripts/gpu_session.py --out $RES compare
-  # the engine's host calls with two cores fewer for the Numba workers (is a spinning runtime
-  # thread what holds them at ~42 GB/s inside the engine? docs/LOG.md, sixteenth session)
-  [ $SECONDS -lt 400 ] && mkdir -p $RES/threads12 && NUMBA_NUM_THREADS=12 \
-    ${B/--out $RES/--out $RES/threads12} --bridge ffi --signal "${SIGNAL:-doorbell}" bench --only ncmoe36
   if [ "${QPROF:-0}" = 1 ] && [ $SECONDS -lt 420 ]; then
     BLOOMERY_FFI_SIGNAL=${SIGNAL:-doorbell} timeout 150 python3 scripts/profile_decode.py --model $M8 $K \
       --place card-experts=32 --bridge ffi --decode-block 8 --steps 16 --out /tmp/qprof > "$RES/qprof.log" 2>&1
     echo "quarter profile: rc $?"; cp /tmp/qprof/profile.json "$RES/profile-quarter-static.json" 2>/dev/null
   fi
+  ;;
+hostab)
+  # why the engine's host calls ran at ~42 GB/s where the host bench gave 53-62 (docs/LOG.md,
+  # sixteenth session): n-cpu-moe=36 as is, with two Numba threads fewer (a spinning runtime
+  # thread sharing their cores?), and with work items handed out as threads free up (dynamic
+  # chunks) instead of a static split; each record's placement has host_kernel_s and the settings
+  bash scripts/await_builds.sh 240 || exit 1
+  for v in base threads12 chunks4; do
+    [ $SECONDS -gt 420 ] && { echo "$v: skipped, the call's time is nearly spent"; continue; }
+    mkdir -p $RES/$v
+    case $v in threads12) export NUMBA_NUM_THREADS=12 ;; chunks4) unset NUMBA_NUM_THREADS; export BLOOMERY_HOST_CHUNKSIZE=4 ;; esac
+    ${B/--out $RES/--out $RES/$v} --bridge ffi --signal "${SIGNAL:-doorbell}" bench --only ncmoe36
+  done
   ;;
 prefill)
   # the card bench with the prefill products on quant tiles with x in one bf16 part (pallas-bf16, the

@@ -50,6 +50,26 @@ def test_matches_the_callback_bridge_bit_for_bit(threads):
     assert not y[0].any() and y[1].any()
 
 
+def test_dynamic_chunks_give_the_same_result(monkeypatch):
+    """With BLOOMERY_HOST_CHUNKSIZE's setting (here 2: work items handed out two at a time as threads
+    free up) the handler sets the chunk size through Numba's C setter before each call; every
+    output element still belongs to one thread and one summation order, so the result is the
+    static split's bit for bit."""
+    from bloomery_jax.host import ffi
+
+    static_callback, static_ffi = _bridges(["Q4_K_M"], 2)
+    monkeypatch.setattr(ffi, "CHUNKSIZE", 2)
+    dynamic_ffi = FfiHostBridge(static_ffi.layers, 2)
+    assert dynamic_ffi._records[1][ffi_layout.CHUNKSIZE] == 2 and static_ffi._records[1][ffi_layout.CHUNKSIZE] == 0
+    rng = np.random.default_rng(8)
+    x, experts, weights = _routing(rng, 8, 4)
+    on_host = rng.random(E) < 0.7
+    outs = [np.asarray(jax.jit(lambda *a, b=b: b.moe(1, *a))(x, experts, weights, on_host))
+            for b in (static_callback, static_ffi, dynamic_ffi)]
+    np.testing.assert_array_equal(outs[1], outs[0])
+    np.testing.assert_array_equal(outs[2], outs[0])
+
+
 def test_counts_calls_pairs_and_time():
     _, ffi = _bridges(["Q8_0"], 1)
     rng = np.random.default_rng(1)

@@ -153,7 +153,7 @@ def placement_stats(engine, record: dict, args) -> None:
 
     Adds ``placement`` (the rule), ``card_served_fraction`` of the routed calls (with residency
     also over the last 16 steps), swaps and bytes moved, and the host bridge's call count,
-    seconds inside the host kernels and Numba threads.
+    seconds inside the host kernels, Numba threads and chunk size.
     """
     model = engine.model
     if model.placement is None:  # a dense model: nothing placed (make_trace refused a trace)
@@ -165,6 +165,9 @@ def placement_stats(engine, record: dict, args) -> None:
         stats["host_pairs"] = host.stats.pairs
         stats["host_kernel_s"] = host.stats.seconds
         stats["host_threads"] = host.threads
+        from ..host.swiglu import CHUNKSIZE
+
+        stats["host_chunksize"] = CHUNKSIZE
     if engine.residency is not None:
         stats.update(engine.residency.stats())
         stats["policy"] = args.residency

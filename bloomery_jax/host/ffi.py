@@ -40,7 +40,8 @@ from ..errors import ConfigError
 from . import ffi_layout as F
 from .bridge import BridgeStats, HostBridge
 from .memory import host_buffer, mapped_bytes
-from .swiglu import _TAB16, _TABBF, EXPERT_ROLES, PREFETCH_ROWS, ROWS_PER_ITEM, HostExpertLayer, kernel_settings
+from .swiglu import (_TAB16, _TABBF, CHUNKSIZE, EXPERT_ROLES, PREFETCH_ROWS, ROWS_PER_ITEM, HostExpertLayer,
+                     kernel_settings)
 
 SOURCE = Path(__file__).resolve().parent / "ffi_bridge.cc"
 TARGET = "bloomery_host_moe"
@@ -103,17 +104,18 @@ def _build(cxx: str, header: str, path: Path) -> None:
         os.replace(out, path)  # atomic: another process may be building the same file
 
 
-def _numba_set_threads() -> int:
-    """Address of the C function behind ``numba.set_num_threads`` (it sets the calling thread's
-    count; the handler's thread is not a Python thread). Numba keeps it in a private module."""
+def _numba_setter(name: str) -> int:
+    """Address of the C function behind ``numba.<name>`` (``set_num_threads``,
+    ``set_parallel_chunksize``: each sets the calling thread's value; the handler's thread is
+    not a Python thread). Numba keeps them in a private module."""
     import numba
     from numba.np.ufunc import parallel
 
-    numba.get_num_threads()  # starts the threading layer, which sets the pointer
-    fn = getattr(parallel, "_set_num_threads", None)
+    numba.get_num_threads()  # starts the threading layer, which sets the pointers
+    fn = getattr(parallel, f"_{name}", None)
     if fn is None:
         raise ConfigError(f"the ffi host bridge does not know this Numba ({numba.__version__}): no "
-                          "numba.np.ufunc.parallel._set_num_threads; use --bridge callback")
+                          f"numba.np.ufunc.parallel._{name}; use --bridge callback")
     return ctypes.cast(fn, ctypes.c_void_p).value
 
 
@@ -195,7 +197,8 @@ class FfiHostBridge(HostBridge):
         self._lib = library()
         self._pinned_buffers: list = []  # never freed: recorded CUDA graphs may copy to or from them
         super().__init__(layers, threads, pages)
-        entry = dict(FN=layer_entry.address, SET_THREADS=_numba_set_threads(), THREADS=self.threads,
+        entry = dict(FN=layer_entry.address, SET_THREADS=_numba_setter("set_num_threads"), THREADS=self.threads,
+                     SET_CHUNKSIZE=_numba_setter("set_parallel_chunksize"), CHUNKSIZE=CHUNKSIZE,
                      SIGNAL=F.SIGNALS.index(self.signal))
         if self.signal == "doorbell" and _on_cuda():
             for device in jax.devices("gpu"):

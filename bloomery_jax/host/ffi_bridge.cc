@@ -60,6 +60,7 @@ void RunHost(int64_t* rec, const void* x, const int32_t* experts, const void* we
              void* out, int64_t n) {
   auto t0 = std::chrono::steady_clock::now();
   reinterpret_cast<void (*)(int)>(rec[kSetThreads])(static_cast<int>(rec[kThreads]));
+  reinterpret_cast<unsigned (*)(unsigned)>(rec[kSetChunksize])(static_cast<unsigned>(rec[kChunksize]));
   reinterpret_cast<HostFn>(rec[kFn])(rec, reinterpret_cast<int64_t>(x), reinterpret_cast<int64_t>(experts),
                                      reinterpret_cast<int64_t>(weights), reinterpret_cast<int64_t>(on_host),
                                      reinterpret_cast<int64_t>(out), n);

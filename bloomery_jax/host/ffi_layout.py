@@ -4,10 +4,11 @@ and by ``ffi_bridge.cc`` (whose ``Field`` enum is generated from ``FIELDS`` at b
 FIELDS = (
     "FN",  # address of the host function (entry.layer_entry)
     "SET_THREADS",  # address of Numba's set_num_threads(int) for the calling thread, called before FN
+    "SET_CHUNKSIZE",  # address of Numba's set_parallel_chunksize(unsigned) for the calling thread, likewise
     "D", "F", "E", "K",  # model width, expert width, experts, experts per token
     "GATE", "UP", "DOWN",  # addresses of the expert tensors, uint8 [E, rows, row_bytes]
     "GATE_ROW_BYTES", "UP_ROW_BYTES", "DOWN_ROW_BYTES",
-    "GATE_FMT", "UP_FMT", "DOWN_FMT", "Q8", "ROWS_PER_ITEM", "THREADS", "MULTI_MIN1", "MULTI_MIN2",
+    "GATE_FMT", "UP_FMT", "DOWN_FMT", "Q8", "ROWS_PER_ITEM", "THREADS", "CHUNKSIZE", "MULTI_MIN1", "MULTI_MIN2",
     "PREFETCH_ROWS",
     "TAB16", "TABBF",  # addresses of the f16 / bf16 conversion tables
     # CUDA only: pinned staging (tokens it holds; the packed inputs, out)

@@ -105,7 +105,9 @@ PREFETCH_ROWS = int(os.environ.get("BLOOMERY_HOST_PREFETCH", "0"))
 # calling thread: a decode call's 1 x 2048 inputs and 8 x 768 hidden rows take microseconds,
 # less than a parallel region's fork and join (and than waking the workers, where they sleep).
 SERIAL_PREP_MAX = 16384
-CHUNKSIZE = 0  # see host_moe_swiglu (Numba's default, static)
+# Work items a thread takes at a time (see host_moe_swiglu): 0, Numba's default, splits them
+# statically. A speed setting only; BLOOMERY_HOST_CHUNKSIZE sets the default (both bridges).
+CHUNKSIZE = int(os.environ.get("BLOOMERY_HOST_CHUNKSIZE", "0"))
 # An expert with at least this many tokens decodes each row once for all of them (see
 # host_moe_swiglu); Q8_0 rows against Q8_0 activations are cheap to dot straight from the
 # blocks, so they switch later.
