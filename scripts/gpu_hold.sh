@@ -10,7 +10,7 @@
 #           single steps and blocks of 8), decode attention at 640 visible of 4096 slots,
 #           the decode layer's GEMV launch configs (layer_kernel_bench.py; its winners are what
 #           the later calls run under, BLOOMERY_GEMV_TUNED, unless TUNED=0), and the prefill
-#           expert GEMM at 512 tokens: f32 tiles against quant tiles (moe_prefill_bench.py).
+#           expert GEMM's tiles for q-bf16 at 512 tokens (moe_prefill_bench.py).
 #           (The sixteenth session dropped the sampler bench, which spent its 90 s compiling,
 #           and the GEMM at 1 and 8 tokens: the GEMV won both, benchmarks/gpu_2026-12-05-s16.)
 #   side    llama-bench all on the card and -ncmoe 36, our card bench (block 8), our
@@ -50,11 +50,10 @@ trace)
   taskset -c 13-15 timeout 180 python3 scripts/layer_kernel_bench.py --budget-s 160 --json "$RES/layer_kernels.json" \
     --tuned-out "$RES/tuned.json" > "$RES/layer_kernels.txt" 2>&1; cat "$RES/layer_kernels.txt" | cut -c1-90
   [ -s "$RES/tuned.json" ] && cp "$RES/tuned.json" /tmp/gemv_tuned.json
-  # 512 tokens on the ggml layout (pallas-q8's), then the fourteenth session's H100 winners on this card
-  taskset -c 13-15 timeout 100 python3 scripts/moe_prefill_bench.py --tokens 512 --skip-reference --reps 5 --layout ggml \
-    --configs 32,64,4,2,q-int8 32,64,4,2,q-bf16x2 64,64,4,2,tf32x3 > "$RES/moe_prefill_T512.jsonl" 2>&1
+  # 512 tokens: tiles for q-bf16, the prefill default since the sixteenth session, beside q-bf16x2's winner
   taskset -c 13-15 timeout 150 python3 scripts/moe_prefill_bench.py --tokens 512 --skip-reference --reps 5 \
-    --configs 64,64,4,2,tf32x3 32,64,4,2,q-bf16x2 32,64,4,2,q-bf16 32,64,4,2,q-int8 >> "$RES/moe_prefill_T512.jsonl" 2>&1
+    --configs 32,64,4,2,q-bf16 16,64,4,2,q-bf16 64,64,4,2,q-bf16 32,128,4,2,q-bf16 32,64,8,2,q-bf16 \
+    32,64,4,3,q-bf16 32,64,4,2,q-bf16x2 > "$RES/moe_prefill_T512.jsonl" 2>&1
   grep -h '"config"' "$RES/moe_prefill_T512.jsonl" | cut -c1-160
   ;;
 side)
