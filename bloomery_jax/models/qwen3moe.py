@@ -18,14 +18,13 @@ from ..gguf_file import GGUFFile
 from ..ops.attention import gqa_attention
 from ..ops.experts import placed_moe_swiglu
 from ..ops.norms import rms_norm
-from ..ops.qmatmul import as_f32, interpret_kernels, qmatmul, qmatmul_many, take_rows
+from ..ops.qmatmul import as_f32, interpret_kernels, qmatmul, qmatmul_many, take_rows, weight_qtype
 from ..ops.rope import RopeConfig, apply_rope, rope_cos_sin
 from ..ops.routing import route_topk
 from ..pallas import attn_prep
 from ..pallas.route import route_topk as fused_route_topk
 from ..pallas.route import router_logits as router_logits_kernel
 from ..pallas.route import router_logits_serves
-from ..quant.qtensor import QTensor
 from .kv_cache import KVCache
 from .spec import TensorSpec, attention_specs, embedding_specs
 
@@ -274,10 +273,12 @@ def _moe_block(params, cfg: Config, i: int, x, placement):
     B, T, D = x.shape
     norm = (as_f32(params[b + "ffn_norm.weight"]), cfg.rms_eps)
     router = params[b + "ffn_gate_inp.weight"]
-    router_f32 = router.data if isinstance(router, QTensor) and router.qtype == 0 else router  # F32: as stored
+    # an F32 router's values (as_f32 computes nothing for them), which the reference also
+    # multiplies by x unrounded
+    router_f32 = as_f32(router) if weight_qtype(router) == 0 else None
     card = None
-    if cfg.routing == "pallas" and router_logits_serves(B * T, router_f32):
-        # a decode step's norm and router product in one launch (an F32 router: no activation rounding)
+    if cfg.routing == "pallas" and router_f32 is not None and router_logits_serves(B * T, router_f32):
+        # a decode step's norm and router product in one launch
         router_logits = router_logits_kernel(x.reshape(B * T, D), *norm, router_f32, interpret=interpret_kernels())
     else:
         h = rms_norm(x, *norm).reshape(B * T, D)  # [N, D]
