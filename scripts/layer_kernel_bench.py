@@ -87,9 +87,9 @@ def n_copies(nbytes: int, cap: int) -> int:
 
 
 def family(name: str, dims: dict, rng, max_copies: int):
-    """(current config, launch(cfg) -> fn(args) -> outputs, args, weight bytes read a launch,
-    the launch's entry key in a tuned-config file: ("single", layout, type, N, K) or ("many",
-    layout, [[type, N], ...], K))."""
+    """(launch(cfg) -> fn(args) -> outputs, args, weight bytes read a launch, the launch's key:
+    ("single", layout, type, N, K) or ("many", layout, [(type, N), ...], K), as a tuned-config
+    file names it and as ``current_pick`` looks it up)."""
     d, k = dims["hidden"], dims["top_k"]
     x = jnp.asarray(rng.standard_normal((1, d)), jnp.float32)
     if name in ("qkv", "output"):
@@ -97,12 +97,11 @@ def family(name: str, dims: dict, rng, max_copies: int):
             ws = (packed(T.Q4_K, (dims["q_rows"], d), rng), packed(T.Q4_K, (dims["kv_rows"], d), rng),
                   packed(T.Q6_K, (dims["kv_rows"], d), rng))
             norm = jnp.asarray(rng.uniform(0.5, 2, d), jnp.float32)
-            weights = [(T(w.qtype).name, w.shape[0]) for w in ws]
-            current, key = pick_many_config("planes", weights, d), ("many", "planes", weights, d)
+            key = ("many", "planes", [(T(w.qtype).name, w.shape[0]) for w in ws], d)
             one = lambda cfg: lambda x, w: qgemv_many(x, w, norm=norm, eps=1e-6, config=cfg, interpret=INTERP)  # noqa: E731
         else:
             ws = packed(T.Q6_K, (dims["vocab"], d), rng)
-            current, key = pick_config("planes", "Q6_K", dims["vocab"], d), ("single", "planes", "Q6_K", dims["vocab"], d)
+            key = ("single", "planes", "Q6_K", dims["vocab"], d)
             one = lambda cfg: lambda x, w: (qgemv(x, w, config=cfg, interpret=INTERP),)  # noqa: E731
         nbytes = sum(w.nbytes for w in jax.tree_util.tree_leaves(ws))
         sets = copies(ws, n_copies(nbytes, max_copies))
@@ -110,27 +109,26 @@ def family(name: str, dims: dict, rng, max_copies: int):
         def launch(cfg):
             f = one(cfg)
             return jax.jit(lambda x, sets: [f(x, w) for w in sets])
-        return current, launch, (x, sets), nbytes, key
+        return launch, (x, sets), nbytes, key
     e, f_rows = dims["experts"], dims["ff"]
     n_sets = max(1, min(max_copies, 16))
     experts = [jnp.asarray(rng.permutation(e)[:k], jnp.int32) for _ in range(n_sets)]  # [P] each, one token
     if name == "gate_up":
         ws = (packed(T.Q4_K, (e, f_rows, d), rng), packed(T.Q4_K, (e, f_rows, d), rng))
-        weights = [("Q4_K", f_rows)] * 2
-        current, key = pick_many_config("planes", weights, d), ("many", "planes", weights, d)
+        key = ("many", "planes", [("Q4_K", f_rows)] * 2, d)
         nbytes = sum(w.nbytes for w in ws) // e * k
 
         def launch(cfg):
             return jax.jit(lambda x, ws, sets: [moe_gemv_many(x, ws, ex, pairs_per_row=k, config=cfg, interpret=INTERP) for ex in sets])
-        return current, launch, (x, ws, experts), nbytes, key
+        return launch, (x, ws, experts), nbytes, key
     down_type = T.Q6_K if name == "down" else T.Q4_K
     down = packed(down_type, (e, d, f_rows), rng)
     g, u = (jnp.asarray(rng.standard_normal((k, f_rows)), jnp.float32) for _ in range(2))
-    current, key = pick_config("planes", down_type.name, d, f_rows), ("single", "planes", down_type.name, d, f_rows)
+    key = ("single", "planes", down_type.name, d, f_rows)
 
     def launch(cfg):
         return jax.jit(lambda g, u, w, sets: [(moe_gemv(g, w, ex, up=u, config=cfg, interpret=INTERP),) for ex in sets])
-    return current, launch, (g, u, down, experts), down.nbytes // e * k, key
+    return launch, (g, u, down, experts), down.nbytes // e * k, key
 
 
 def time_us(fn, args, launches: int, reps: int, min_total_s: float) -> tuple[float, list[float]]:
@@ -168,7 +166,8 @@ def main(argv=None) -> int:
                          device=str(jax.devices()[0].device_kind), dims=dims), results=[])
     tuned = dict(single=[], many=[])
     for name in a.families.split(","):
-        current, launch, args, nbytes, key = family(name, dims, np.random.default_rng(len(name)), a.max_copies)
+        launch, args, nbytes, key = family(name, dims, np.random.default_rng(len(name)), a.max_copies)
+        current = current_pick(key)
         launches = len(args[-1])
         ref = None
         for i, cfg in enumerate([current] + [c for c in SWEEPS[name] if c != current]):
@@ -203,6 +202,11 @@ def main(argv=None) -> int:
                 with open(a.tuned_out, "w") as f:
                     json.dump(tuned, f, indent=1)
     return 0
+
+
+def current_pick(key: tuple) -> C:
+    """What the code picks today for a launch ``key`` (``family``'s)."""
+    return (pick_config if key[0] == "single" else pick_many_config)(*key[1:])
 
 
 def pick_winner(rows: list[dict], margin: float) -> list | None:
