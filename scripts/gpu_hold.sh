@@ -28,7 +28,8 @@
 #
 #   order: trace, side, prefill, hostab, then hybrid if device time is left (about 8-10 minutes each)
 #
-#   run: bash scripts/gpu_hold.sh trace|side|prefill|hostab|hybrid   (ATTN=0 skips the attention bench, QPROF=1
+#   run: bash scripts/gpu_hold.sh trace|side|prefill|hostab|hybrid   (ATTN=0 skips the attention bench,
+#        LKB=0 the launch-config sweep, so that the committed tables are what runs; QPROF=1
 #        adds the quarter profile; HOST_LAYOUTS narrows gpu_session's host sweep)
 set -u
 call=$1
@@ -47,8 +48,8 @@ trace)
     --splits 0,4,16 --heads-per-program 8 > "$RES/attention_bench.txt" 2>&1
   tail -8 "$RES/attention_bench.txt" 2>/dev/null
   # (its winners go to /tmp/gemv_tuned.json, which the later calls on this warm machine run under)
-  taskset -c 13-15 timeout 180 python3 scripts/layer_kernel_bench.py --budget-s 160 --json "$RES/layer_kernels.json" \
-    --tuned-out "$RES/tuned.json" > "$RES/layer_kernels.txt" 2>&1; cat "$RES/layer_kernels.txt" | cut -c1-90
+  [ "${LKB:-1}" = 1 ] && taskset -c 13-15 timeout 180 python3 scripts/layer_kernel_bench.py --budget-s 160 --json "$RES/layer_kernels.json" \
+    --tuned-out "$RES/tuned.json" > "$RES/layer_kernels.txt" 2>&1; cut -c1-90 "$RES/layer_kernels.txt" 2>/dev/null
   [ -s "$RES/tuned.json" ] && cp "$RES/tuned.json" /tmp/gemv_tuned.json
   # 512 tokens: tiles for q-bf16, the prefill default since the sixteenth session, beside q-bf16x2's winner
   taskset -c 13-15 timeout 150 python3 scripts/moe_prefill_bench.py --tokens 512 --skip-reference --reps 5 \
