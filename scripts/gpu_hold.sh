@@ -58,9 +58,10 @@ trace)
   grep -h '"config"' "$RES/moe_prefill_T512.jsonl" | cut -c1-160
   ;;
 side)
-  bash scripts/await_builds.sh 240 || exit 1
+  bash scripts/start_builds.sh  # (nothing when the trace call's builds run or are done)
+  $B bench --only card  # while a build may still have cores 0-11: the card bench waits on the card
+  bash scripts/await_builds.sh 300 || exit 1
   python3 scripts/gpu_session.py --out $RES llamacpp --only card,ncmoe36
-  $B bench --only card
   $B --bridge ffi --signal doorbell bench --only ncmoe36
   [ "${HUGE:-0}" = 1 ] && $B --bridge ffi --signal doorbell --pages huge bench --only ncmoe36  # refuted on the H100 (s14)
   [ $SECONDS -lt 450 ] && $B --bridge ffi --signal hostfunc bench --only ncmoe36
@@ -83,8 +84,9 @@ hostab)
   # thread sharing their cores?), and with work items handed out as threads free up (dynamic
   # chunks) instead of a static split; each record's placement has host_kernel_s and the settings
   bash scripts/await_builds.sh 240 || exit 1
+  python3 scripts/gpu_session.py --out $RES llamacpp --only ncmoe36
   for v in base threads12 chunks4; do
-    [ $SECONDS -gt 420 ] && { echo "$v: skipped, the call's time is nearly spent"; continue; }
+    [ $SECONDS -gt 400 ] && { echo "$v: skipped, the call's time is nearly spent"; continue; }
     mkdir -p $RES/$v
     case $v in threads12) export NUMBA_NUM_THREADS=12 ;; chunks4) unset NUMBA_NUM_THREADS; export BLOOMERY_HOST_CHUNKSIZE=4 ;; esac
     ${B/--out $RES/--out $RES/$v} --bridge ffi --signal "${SIGNAL:-doorbell}" bench --only ncmoe36

@@ -27,14 +27,7 @@ RES=/tmp/graph_trace_probe_files
 mkdir -p "$OUT" "$RES"
 S="python3 scripts/gpu_session.py --out $RES"
 M8=/tmp/bloomery/qwen3-30b-a3b-shape-8l-q4km.gguf
-if [ "${BUILD:-1}" = 1 ]; then
-  # in their own sessions, so they outlive this call on a warm machine: the next call waits for
-  # /tmp/llbuild.done and /tmp/model48.done (scripts/await_builds.sh)
-  rm -f /tmp/llbuild.done /tmp/model48.done
-  # the build is kept in /tmp too: a later call that carries .baseline again replaces the folder
-  setsid bash -c "taskset -c 0-11 nice -n 10 bash .baseline/llamacpp_gpu.sh build > /tmp/llbuild.log 2>&1; rc=\$?; cp -a .baseline/build /tmp/llama-build; echo \$rc > /tmp/llbuild.done" < /dev/null > /dev/null 2>&1 &
-  setsid bash -c "taskset -c 12 nice -n 19 python3 scripts/gpu_session.py --out /tmp/model48-out model > /tmp/model48.log 2>&1; echo \$? > /tmp/model48.done" < /dev/null > /dev/null 2>&1 &
-fi
+[ "${BUILD:-1}" = 1 ] && bash scripts/start_builds.sh
 CORES=13-15; [ "${BUILD:-1}" = 1 ] || CORES=0-15
 taskset -c $CORES $S model --layers 8 2>&1 | tail -1 | cut -c1-160
 declare -A FLAGS=(

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Starts, in sessions of their own so that they outlive the call on a warm machine, the llama.cpp
+# build (cores 0-11) and the 48-layer file (core 12); scripts/await_builds.sh waits for their
+# /tmp/llbuild.done and /tmp/model48.done. A job already running or done is left alone.
+# The build runs in a copy of .baseline under /tmp: a later call that carries .baseline replaces
+# the folder, and with it a build still running there (seventeenth session).
+if [ ! -f /tmp/llbuild.done ] && ! pgrep -f llbase/llamacpp_gpu.sh > /dev/null; then
+  rm -rf /tmp/llbase && cp -a .baseline /tmp/llbase
+  setsid bash -c "taskset -c 0-11 nice -n 10 bash /tmp/llbase/llamacpp_gpu.sh build > /tmp/llbuild.log 2>&1; rc=\$?; cp -a /tmp/llbase/build /tmp/llama-build; echo \$rc > /tmp/llbuild.done" < /dev/null > /dev/null 2>&1 &
+fi
+if [ ! -f /tmp/model48.done ] && ! pgrep -f "model48-out model" > /dev/null; then
+  setsid bash -c "taskset -c 12 nice -n 19 python3 scripts/gpu_session.py --out /tmp/model48-out model > /tmp/model48.log 2>&1; echo \$? > /tmp/model48.done" < /dev/null > /dev/null 2>&1 &
+fi
