@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -265,8 +266,9 @@ def stage_llamacpp(args) -> None:
 
 
 def stage_compare(args) -> None:
-    """HERE or THERE: ratios of our bench to llama-bench from the JSON in --out (median tok/s;
-    llama-bench's mean over its repetitions, as it reports)."""
+    """HERE or THERE: ratios of our bench to llama-bench from the JSON in --out, median tok/s on
+    both sides (llama-bench reports a mean, which its slow first repetition pulls down: the
+    seventeenth session's pp512 had 5,514, 7,011 and 7,182)."""
     ours = {}
     for path in sorted(args.out.glob("bench-*.json")):
         for r in json.loads(path.read_text())["records"]:
@@ -274,7 +276,7 @@ def stage_compare(args) -> None:
     theirs = {}
     for name, run in json.loads((args.out / "llamacpp.json").read_text()).items():
         for r in run["records"] if isinstance(run["records"], list) else []:
-            theirs[(name, f"pp{r['n_prompt']}" if r["n_prompt"] else f"tg{r['n_gen']}")] = r["avg_ts"]
+            theirs[(name, f"pp{r['n_prompt']}" if r["n_prompt"] else f"tg{r['n_gen']}")] = statistics.median(r.get("samples_ts") or [r["avg_ts"]])
     # llama.cpp's counterpart of each of our variants: -ncmoe 36 keeps 12 of 48 layers' experts on
     # the card, the card memory of a quarter of every layer's experts (the quarter-* variants)
     variants = sorted(bench_variants(args), key=len, reverse=True)  # "quarter-lfu-stream" before "quarter-lfu"
