@@ -11,7 +11,8 @@ holds D tokens in its cache (untimed). Each test runs once as a warm-up, then ``
 a record gives the median and the min-max of tokens/s. Decoding is greedy (the sampler's cheap
 branch; llama-bench does not sample at all). ``--decode-block N`` runs the decode N steps a
 device call (``Engine.decode_block``; ``generate --decode-block``, ``RuntimeSettings.decode_block``
-for the server).
+for the server), each block launched before the previous one's tokens are read, as the server's
+scheduler does (``--no-lookahead``: each block after the read).
 
 Every record carries a source witness (bloomery_jax.witness): git commit, number of dirty
 tracked files (unknown, never 0, when git cannot tell), package versions, device. Loading and
@@ -70,6 +71,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--routing", choices=ROUTING, default="auto", help=ROUTING_HELP)
     p.add_argument("--decode-block", type=int, default=0,
                    help="decode steps per device call (Engine.decode_block; default 0: 8 on a GPU, 1 elsewhere)")
+    p.add_argument("--lookahead", action=argparse.BooleanOptionalAction, default=True,
+                   help="launch each decode block before the previous one's tokens are read, as the server "
+                        "does (default on)")
     add_residency_args(p)
     p.add_argument("--json", action="store_true", help="one JSON record per line instead of a table")
     p.add_argument("--no-compile-cache", action="store_true", help="do not use the persistent compilation cache")
@@ -89,16 +93,18 @@ def _timed_prefill(engine, seqs) -> float:
     return time.perf_counter() - t0
 
 
-def _timed_decode(engine, seqs, n: int, block: int = 1) -> tuple[float, list[tuple[int, int]]]:
+def _timed_decode(engine, seqs, n: int, block: int = 1, lookahead: bool = False) -> tuple[float, list[tuple[int, int]]]:
     """Seconds of ``n`` decode steps, ``block`` steps a device call (the rest one a call), and
-    each call's (card-served, routed) expert calls."""
+    each call's (card-served, routed) expert calls. ``lookahead``: each block that another
+    follows launches it before its tokens are read (``Engine.decode_block(ahead=True)``)."""
     calls = []
     t0 = time.perf_counter()
     done = 0
     while done < n:
         m = block if n - done >= block else 1
         before = engine.card_calls, engine.routed_calls
-        engine.decode_block(seqs, m)  # reads the sampled tokens back: each call is synchronous
+        # reads the sampled tokens back: synchronous, but for a block launched ahead
+        engine.decode_block(seqs, m, ahead=lookahead and n - done - m >= block)
         calls.append((engine.card_calls - before[0], engine.routed_calls - before[1]))
         done += m
     return time.perf_counter() - t0, calls
@@ -146,7 +152,7 @@ def run_parallel(model, args, parallel: int, progress, rng) -> tuple[list[dict],
         else:
             _timed_prefill(engine, seqs)
         if n > 0:
-            t, calls = _timed_decode(engine, seqs, n, args.decode_block)
+            t, calls = _timed_decode(engine, seqs, n, args.decode_block, args.lookahead)
             if rep:
                 tg.append(parallel * n / t)
                 if engine.routed_calls:  # host experts: how much of this decode the card served, early and late
@@ -211,7 +217,7 @@ def run(argv: list[str] | None = None, out=None, err=None) -> list[dict]:
             r.update(model=str(model.path), architecture=model.gguf.architecture, model_bytes=size,
                      ubatch=args.ubatch, kv_dtype=args.kv_dtype, kernels=kernels, attention=model.attention,
                      bridge=bridge, host_signal=signal, host_pages=pages, routing=model.routing, weights=args.weights,
-                     decode_block=args.decode_block, reps=args.reps, load_s=load_s,
+                     decode_block=args.decode_block, lookahead=args.lookahead, reps=args.reps, load_s=load_s,
                      compile_s=compile_s, witness=witness)
             if args.json:  # as each finishes: a run cut short still leaves what it measured
                 out.write(json.dumps(r) + "\n")

@@ -6,6 +6,8 @@
 3. Rollback then re-decode equals never having decoded.
 4. A decode step's outputs keep their device addresses from step to step (each step donates the
    previous one's), without compiling anything again.
+5. Decode blocks launched ahead (before the previous block's tokens are read) give the tokens and
+   state of blocks launched after each read, and one that is not taken leaves no trace.
 
 One engine (4 slots, ubatch 16) is shared by the module: it compiles the prefill chunk 16 and
 the decode buckets 2 and 4 once.
@@ -25,6 +27,9 @@ SHAPE = dict(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, n_exp
              expert_ff=64, n_vocab=512)
 S = 48  # positions per slot
 GREEDY = SamplingParams(temperature=0.0)
+# a greedy row, a seeded top-k row with logprobs, a seeded top-p row with a repetition penalty
+SETTINGS = [GREEDY, SamplingParams(temperature=0.8, top_k=40, seed=5, n_probs=3),
+            SamplingParams(temperature=1.1, top_p=0.9, seed=9, repetition_penalty=1.1)]
 
 
 @pytest.fixture(scope="module")
@@ -226,18 +231,15 @@ def test_decode_block_equals_single_steps(fresh):
     the tokens, log-probabilities, cache and sampler state of n decode calls: greedy and sampled
     rows beside a padding row (bucket 4, three live)."""
     eng = fresh
-    settings = [GREEDY, SamplingParams(temperature=0.8, top_k=40, seed=5, n_probs=3),
-                SamplingParams(temperature=1.1, top_p=0.9, seed=9, repetition_penalty=1.1)]
 
     def run(block: int):
-        seqs = [eng.add(prompt(40 + i, 7 + 3 * i), p) for i, p in enumerate(settings)]
+        seqs = [eng.add(prompt(40 + i, 7 + 3 * i), p) for i, p in enumerate(SETTINGS)]
         for s in seqs:
             run_prefill(eng, s)
         steps = []
         for _ in range(6 // block):
             steps += eng.decode_block(seqs, block) if block > 1 else [eng.decode(seqs)]
-        state = ([list(s.tokens) for s in seqs], [slot_kv(eng, s.slot, s.n_cached) for s in seqs],
-                 jax.device_get(eng.sampler), eng.slot_lengths().copy())
+        state = _engine_state(eng, seqs)
         for s in seqs:
             eng.release(s)
         return steps, state
@@ -256,6 +258,84 @@ def test_decode_block_equals_single_steps(fresh):
             np.testing.assert_allclose(v, v1, rtol=1e-6, atol=1e-6)
         for got, ref in zip(sampler, sampler1):
             np.testing.assert_array_equal(got, ref)  # counts, step indices: integers
+
+
+def _engine_state(eng, seqs):
+    return ([list(s.tokens) for s in seqs], [slot_kv(eng, s.slot, s.n_cached) for s in seqs],
+            jax.device_get(eng.sampler), eng.slot_lengths().copy())
+
+
+def _assert_same_state(got, want):
+    tokens, kv, sampler, lengths = got
+    assert tokens == want[0] and np.array_equal(lengths, want[3])
+    for (k, v), (k1, v1) in zip(kv, want[1]):
+        np.testing.assert_array_equal(k, k1)
+        np.testing.assert_array_equal(v, v1)
+    for a, b in zip(sampler, want[2]):
+        np.testing.assert_array_equal(a, b)  # counts, step indices
+
+
+def test_lookahead_blocks_equal_blocks_read_in_turn(fresh):
+    """Each block launched before the previous one's tokens are read, fed its tokens on the
+    device: the same tokens, log-probabilities, cache and sampler state as blocks launched after
+    each read, nothing compiled again, and every ahead block taken by the next call."""
+    from bloomery_jax.engine.steps import _decode_block
+
+    eng = fresh
+
+    def run(ahead: bool):
+        seqs = [eng.add(prompt(40 + i, 7 + 3 * i), p) for i, p in enumerate(SETTINGS)]
+        for s in seqs:
+            run_prefill(eng, s)
+        steps, pending = [], []
+        for i in range(3):
+            steps += eng.decode_block(seqs, 3, ahead=ahead and i < 2)
+            pending.append(eng._ahead is not None)
+        state = _engine_state(eng, seqs)
+        for s in seqs:
+            eng.release(s)
+        return steps, state, pending
+
+    want_steps, want, pending = run(False)
+    assert pending == [False] * 3
+    compiled = _decode_block._cache_size()
+    steps, got, pending = run(True)
+    assert pending == [True, True, False]
+    assert _decode_block._cache_size() == compiled, "the token fed on the device compiled the block again"
+    _assert_same_state(got, want)
+    for step, ref in zip(steps, want_steps):
+        assert [(x.token, x.logprob, x.top) for x in step] == [(x.token, x.logprob, x.top) for x in ref]
+
+
+@pytest.mark.parametrize("then", ["decode", "rollback", "release", "other block"])
+def test_dropped_lookahead_block_leaves_no_trace(fresh, then):
+    """A block launched ahead that the next call does not take (a single step, a rollback, a
+    release, a block of another length) is dropped: the sequences go on as if it had never run,
+    the random streams of sampled rows included."""
+    eng = fresh
+
+    def run(ahead: bool):
+        seqs = [eng.add(prompt(50 + i, 6 + 2 * i), p) for i, p in enumerate(SETTINGS)]
+        for s in seqs:
+            run_prefill(eng, s)
+        eng.decode_block(seqs, 3, ahead=ahead)
+        assert (eng._ahead is not None) == ahead
+        if then == "decode":
+            eng.decode(seqs)
+        elif then == "rollback":
+            eng.rollback(seqs[1], len(seqs[1].tokens) - 2)
+            eng.decode([seqs[1]])
+            eng.decode(seqs)
+        elif then == "release":
+            eng.release(seqs.pop(0))
+        for _ in range(2):
+            eng.decode_block(seqs, 2 if then == "other block" else 3)
+        state = _engine_state(eng, seqs)
+        for s in seqs:
+            eng.release(s)
+        return state
+
+    _assert_same_state(run(True), run(False))
 
 
 def test_decode_block_needs_room_for_every_step(fresh):

@@ -44,9 +44,10 @@ def path(synth_model):
     return synth_model(qtype="Q8_0", seed=4, route_skew=3.0, **SHAPE)[0]
 
 
-def run(path, residency: str, kernels: str = "reference", block: int = 1):
-    """Greedy tokens of two prompts decoded together, ``block`` steps a call, and the card-served
-    fraction of each call's last step."""
+def run(path, residency: str, kernels: str = "reference", block: int = 1, ahead: bool = False):
+    """Greedy tokens of two prompts decoded together, ``block`` steps a call (``ahead``: each
+    launched before the previous one's tokens are read), and the card-served fraction of each
+    call's last step."""
     model = load_model(path, place=FirstPerLayer(SHAPE["n_experts"] // 4), kernels=kernels)
     live = None
     if residency != "off":
@@ -60,9 +61,9 @@ def run(path, residency: str, kernels: str = "reference", block: int = 1):
         while s.pending > 1:
             eng.prefill(s)
     fractions = []
-    for _ in range(N_NEW // block):
+    for i in range(N_NEW // block):
         table = np.asarray(eng.placement.slot_of)
-        eng.decode_block(seqs, block)
+        eng.decode_block(seqs, block, ahead=ahead and i + 1 < N_NEW // block)
         fractions.append(card_fraction(table, np.asarray(eng.last_routing.experts)[:, :2]))
     assert (_prefill._cache_size(), _decode._cache_size(), _decode_block._cache_size()) == compiled, \
         "a placement change recompiled"
@@ -87,10 +88,11 @@ def test_residency_swaps_between_decode_blocks(path):
     """Blocks of four decode steps a call: the block's routing is counted step by step and the
     swaps are seated after it; the tokens stay those of the engine without residency."""
     tokens_off, _, _ = run(path, "off")
-    tokens_block, _, live = run(path, "swap", block=4)
-    assert live.controller.swaps_total > 0
-    assert 0 < live.stats()["layer_seats"] <= SHAPE["n_layers"] * (N_NEW // 4 + 2)  # after blocks (and prompts) only
-    assert tokens_block == tokens_off
+    for ahead in (False, True):  # with lookahead a block's swaps are seated while the next one runs
+        tokens_block, _, live = run(path, "swap", block=4, ahead=ahead)
+        assert live.controller.swaps_total > 0
+        assert 0 < live.stats()["layer_seats"] <= SHAPE["n_layers"] * (N_NEW // 4 + 2)  # after blocks (and prompts) only
+        assert tokens_block == tokens_off
 
 
 def test_residency_needs_host_experts(path):
@@ -109,18 +111,19 @@ def test_residency_with_pallas_kernels(path):
 @pytest.mark.parametrize("bridge", ["callback", "ffi"])
 def test_decode_block_with_host_experts(path, bridge):
     """A block of decode steps in one call runs the host experts inside the device loop, through
-    either bridge: the same greedy tokens and card-served counters as one decode call a step."""
+    either bridge: the same greedy tokens and card-served counters as one decode call a step,
+    with each block launched after the previous one's read or ahead of it."""
     model = load_model(path, place=FirstPerLayer(SHAPE["n_experts"] // 4), bridge=bridge)
     results = []
-    for block in (1, 5):
+    for block, ahead in ((1, False), (5, False), (5, True)):
         eng = Engine(model, n_slots=2, max_context=64, ubatch=16, min_chunk=16)
         rng = np.random.default_rng(0)
         seqs = [eng.add(rng.integers(0, SHAPE["n_vocab"], n).tolist(), GREEDY) for n in (21, 9)]
         for s in seqs:
             while s.pending > 1:
                 eng.prefill(s)
-        for _ in range(N_NEW // block):
-            eng.decode_block(seqs, block)
+        for i in range(N_NEW // block):
+            eng.decode_block(seqs, block, ahead=ahead and i + 1 < N_NEW // block)
         results.append(([s.tokens for s in seqs], eng.card_calls, eng.routed_calls))
-    assert results[1] == results[0]
+    assert results[1] == results[0] and results[2] == results[0]
     assert 0 < results[0][1] < results[0][2]  # some calls on the card, some on the host

@@ -12,6 +12,13 @@ its first n tokens: the result is as if the later tokens had never been decoded.
 Live sequences always occupy slots ``[0, n)``: releasing one moves the highest slot's sequence
 into the hole (one copy of a slot), so the decode bucket only depends on how many are live.
 Nothing here blocks on the device except reading the sampled tokens back.
+
+Lookahead. ``decode_block(seqs, n, ahead=True)`` also launches the next block of the same
+sequences, fed on the device by this block's last tokens, before it reads this block's tokens
+back: the host's work between two blocks (the read, the caller's stop checks, the next launch)
+then overlaps the card's. The next ``decode_block`` of the same sequences, n and sampler plan
+takes that block instead of launching one. Any other call first drops it: its sequences' cache
+lengths and sampler rows go back to what their tokens say, as a rollback would set them.
 """
 
 from __future__ import annotations
@@ -40,6 +47,22 @@ class Sampled:
     token: int
     logprob: float
     top: list[tuple[int, float]]
+
+
+@dataclasses.dataclass
+class _Block:
+    """A launched decode block whose tokens are not read yet."""
+
+    seqs: list  # the Sequences, in the order of their sampled tokens
+    slots: list[int]  # their slots at the launch
+    n: int
+    plan: sampling.Plan
+    positions: np.ndarray  # int32 [b]: the first step's
+    active: np.ndarray  # bool [b]
+    parity: int  # which of the step's two output sets it writes (steps.StepFunctions.decode_block)
+    placement: object  # the placement it ran under, for counting card-served calls
+    out: sampling.SampleOut  # on the device, [n, b, ...]
+    routing: object  # on the device, [n, ...]
 
 
 @dataclasses.dataclass(eq=False)
@@ -135,6 +158,9 @@ class Engine:
         self.cold_plans: set[sampling.Plan] = set()
         self.live: list[Sequence] = []  # live[i].slot == i
         self.last_routing = None
+        self._device = device
+        self._ahead: _Block | None = None  # a block launched ahead, unread (module docstring)
+        self._parity = 0  # the output set of the last block launched
 
     # --- sequences --------------------------------------------------------------------------
     @property
@@ -157,6 +183,7 @@ class Engine:
 
     def add(self, prompt: Seq[int], params: sampling.SamplingParams) -> Sequence:
         """Start a sequence in a free slot. ConfigError on a bad prompt or bad parameters."""
+        self._settle()
         prompt = self.check_request(prompt, params)
         if not self.free_slots:
             raise ConfigError(f"all {self.n_slots} slots are busy")
@@ -167,6 +194,7 @@ class Engine:
 
     def release(self, seq: Sequence) -> None:
         """Free a sequence's slot; the highest live sequence moves into it to keep slots dense."""
+        self._settle()
         i = self.live.index(seq)
         last = self.live.pop()
         if last is not seq:
@@ -187,6 +215,7 @@ class Engine:
         """
         if not 1 <= n_tokens <= len(seq.tokens):
             raise ConfigError(f"rollback to {n_tokens} tokens: the sequence has {len(seq.tokens)}")
+        self._settle()
         del seq.tokens[n_tokens:]
         seq.n_cached = min(seq.n_cached, n_tokens - 1)
         self._reset_slot(seq)
@@ -207,6 +236,7 @@ class Engine:
             raise ValueError(f"prefill needs >= 2 pending tokens and a budget >= 1 (pending {seq.pending})")
         if seq.n_cached + seq.pending > self.max_context:
             raise ConfigError(f"sequence of {len(seq.tokens)} tokens does not fit the context of {self.max_context}")
+        self._settle()
         T = bucket_for(self.chunks, n)
         tokens = np.zeros((1, T), np.int32)
         positions = np.full((1, T), self.max_context, np.int32)  # padding: position S, never stored
@@ -226,6 +256,7 @@ class Engine:
         """One token for each sequence (each must have exactly one pending token)."""
         if not seqs:
             return []
+        self._settle()
         tokens, positions, active = self._decode_inputs(seqs)
         self.cache, self.sampler, out, _, self.last_routing = self.steps.decode(
             self.params, self.cache, self.sampler, self.placement, tokens, positions, active, self.sampler_plan(seqs))
@@ -234,30 +265,76 @@ class Engine:
         self._observe_routing(active[:, None])
         return self._record(seqs, out, rows=[s.slot for s in seqs])
 
-    def decode_block(self, seqs: Seq[Sequence], n: int) -> list[list[Sampled]]:
+    def decode_block(self, seqs: Seq[Sequence], n: int, ahead: bool = False) -> list[list[Sampled]]:
         """n tokens for each sequence in one device call (``StepFunctions.decode_block``): the
         same tokens, cache and sampler state as n :meth:`decode` calls, one list per step. The
         caller drops what follows a sequence's stop. Adaptive residency counts every step's
-        routing and swaps experts after the block."""
+        routing and swaps experts after the block.
+
+        ``ahead``: also launch the next block of these sequences before reading this one (see the
+        module docstring), where every sequence has room for both."""
         if n < 1:
             raise ValueError(f"decode_block needs n >= 1, got {n}")
         if n == 1 or not seqs:
             return [self.decode(seqs) for _ in range(n)]
-        tokens, positions, active = self._decode_inputs(seqs, n)
+        plan = self.sampler_plan(seqs)
+        block = self._take_ahead(seqs, n, plan)
+        if block is None:
+            self._settle()
+            tokens, positions, active = self._decode_inputs(seqs, n)
+            block = self._launch(seqs, n, plan, tokens, positions, active, self._parity)
+        if ahead and all(s.n_cached + 2 * n <= self.max_context for s in seqs):
+            # fed by this block's last tokens on the device; the other output set, as this
+            # block's outputs are still to be read
+            self._ahead = self._launch(seqs, n, plan, block.out.token[-1],
+                                       np.where(block.active, block.positions + n, block.positions).astype(np.int32),
+                                       block.active, 1 - block.parity)
+        return self._read(block)
+
+    def _launch(self, seqs, n, plan, tokens, positions, active, parity) -> _Block:
+        # tokens committed to the device, as a block's last tokens are when they feed the next:
+        # jit keys committed and uncommitted arguments apart
+        tokens = jax.device_put(tokens, self._device)
         self.cache, self.sampler, out, routing = self.steps.decode_block(
-            self.params, self.cache, self.sampler, self.placement, tokens, positions, active, n, self.sampler_plan(seqs))
-        self.last_routing = jax.tree.map(lambda a: a[-1], routing)
-        experts = np.asarray(routing.experts) if self._routing_read() else None  # [n, L, b, 1, k]
-        host_out = jax.device_get(out)  # [n, b, ...] each
-        rows = [s.slot for s in seqs]
+            self.params, self.cache, self.sampler, self.placement, tokens, positions, active, n, plan, parity)
+        self._parity = parity
+        return _Block(list(seqs), [s.slot for s in seqs], n, plan, positions, active, parity, self.placement,
+                      out, routing)
+
+    def _read(self, block: _Block) -> list[list[Sampled]]:
+        """The block's tokens on the host, appended to its sequences; its routing counted."""
+        seqs, n, active = block.seqs, block.n, block.active
+        self.last_routing = jax.tree.map(lambda a: a[-1], block.routing)
+        experts = np.asarray(block.routing.experts) if self._routing_read() else None  # [n, L, b, 1, k]
+        host_out = jax.device_get(block.out)  # [n, b, ...] each
         result = []
         for j in range(n):
             for s in seqs:
                 s.n_cached += 1
             if experts is not None:
-                self._observe_routing(active[:, None], experts=experts[j], swap=j == n - 1)
-            result.append(self._sampled(seqs, [field[j] for field in host_out], rows))
+                self._observe_routing(active[:, None], experts=experts[j], swap=j == n - 1,
+                                      placement=block.placement)
+            result.append(self._sampled(seqs, [field[j] for field in host_out], block.slots))
         return result
+
+    def _take_ahead(self, seqs, n: int, plan) -> _Block | None:
+        """The block launched ahead when it is the one asked for (the same sequences in the same
+        slots and order, n and plan); it stays for :meth:`_settle` otherwise."""
+        block = self._ahead
+        if (block is None or block.n != n or block.plan != plan or len(block.seqs) != len(seqs)
+                or any(a is not b or a.slot != slot for a, b, slot in zip(block.seqs, seqs, block.slots))):
+            return None
+        self._ahead = None
+        return block
+
+    def _settle(self) -> None:
+        """Drop a block launched ahead that nobody read: its sequences' cache lengths and sampler
+        rows go back to what their tokens say (what it wrote past those lengths is never read)."""
+        block, self._ahead = self._ahead, None
+        if block is not None:
+            for s, slot in zip(block.seqs, block.slots):
+                if s.slot == slot:
+                    self._reset_slot(s)
 
     def sampler_plan(self, seqs) -> sampling.Plan:
         """The sampler plan of a decode batch: only its sequences' settings count (padding rows'
@@ -292,15 +369,17 @@ class Engine:
         return self.routing_trace is not None or self.residency is not None or self._hybrid
 
     def _observe_routing(self, mask, seq: Sequence | None = None, prompt_done: bool = False,
-                         experts=None, swap: bool = True) -> None:
-        """Count card-served calls; hand the routing (``experts`` [L, B, T, k], default the last
-        step's) to the trace recorder and the residency controller (which swaps experts only
-        when ``swap``: after a block's last step)."""
+                         experts=None, swap: bool = True, placement=None) -> None:
+        """Count card-served calls under ``placement`` (default the engine's: the one the step ran
+        under, unless it was launched ahead of a swap); hand the routing (``experts`` [L, B, T,
+        k], default the last step's) to the trace recorder and the residency controller (which
+        swaps experts only when ``swap``: after a block's last step)."""
         if not self._routing_read():
             return
         experts = np.asarray(self.last_routing.experts if experts is None else experts)  # [L, B, T, k]
         if self._hybrid:
-            card, routed = card_calls(self.placement.slot_of, experts[:, np.asarray(mask, bool)])  # real tokens
+            table = (placement or self.placement).slot_of
+            card, routed = card_calls(table, experts[:, np.asarray(mask, bool)])  # real tokens
             if streams_host_experts(np.size(mask)):  # the step streamed its host experts: all on the card
                 card = routed
             self.card_calls += card
@@ -347,6 +426,7 @@ class Engine:
 
         Runs each step with padding rows only, so the cache and the sampler state are unchanged.
         """
+        self._settle()
         t0 = time.perf_counter()
         S = self.max_context
         chunks = self.chunks if chunks is None else chunks
@@ -369,8 +449,8 @@ class Engine:
                                         np.zeros(n, np.int32), np.full(n, S, np.int32), np.zeros(n, bool), plan)
             else:
                 res = self.steps.decode_block(self.params, self.cache, self.sampler, self.placement,
-                                              np.zeros(n, np.int32), np.full(n, S, np.int32), np.zeros(n, bool),
-                                              decode_block, plan)
+                                              jax.device_put(np.zeros(n, np.int32), self._device),
+                                              np.full(n, S, np.int32), np.zeros(n, bool), decode_block, plan)
             self.cache, self.sampler = res[0], res[1]
             jax.block_until_ready(res[2])
         # The slot operations, as no-ops on slot 0, so that admitting and releasing never compile.
@@ -382,5 +462,7 @@ class Engine:
         return time.perf_counter() - t0
 
     def slot_lengths(self) -> np.ndarray:
-        """Filled positions of every slot (host copy; for tests and /slots)."""
+        """Filled positions of every slot (host copy; for tests and /slots), after dropping a
+        block launched ahead."""
+        self._settle()
         return np.asarray(self.cache.all_lengths)

@@ -19,7 +19,10 @@ server runs ``serve_forever`` in a thread; a CLI calls ``drive(request)``.
 sequence has n tokens of ``max_tokens`` and n positions left, they decode n steps in one device
 call (``Engine.decode_block``); a sequence that stops inside the block drops the tokens after
 its stop, and a cancellation or a new request waits for the block to end. The settings' 0 is
-:func:`resolve_decode_block`'s choice for the device.
+:func:`resolve_decode_block`'s choice for the device. With ``lookahead`` (the default), a block
+after which the same sequences will still have n tokens and positions left launches the next
+block before its own tokens are read (``Engine.decode_block(ahead=True)``): the card does not
+wait for the host between blocks. A stop, a cancellation or a new request drops that block.
 """
 
 from __future__ import annotations
@@ -140,14 +143,19 @@ class Scheduler:
       max_queue: most requests waiting for a slot (None = unbounded); beyond it submit raises
         QueueFullError.
       prefill_chunk: most prompt tokens fed per iteration (default and at most engine.ubatch).
+      decode_block: decode steps a device call while only generating sequences run.
+      lookahead: launch each decode block before the previous one's tokens are read, where the
+        sequences have room for both (module docstring).
     """
 
     def __init__(self, engine: Engine, detokenizer: Callable[[], object] | None = None,
-                 max_queue: int | None = None, prefill_chunk: int | None = None, decode_block: int = 1):
+                 max_queue: int | None = None, prefill_chunk: int | None = None, decode_block: int = 1,
+                 lookahead: bool = True):
         if decode_block < 1:
             raise ConfigError(f"decode_block must be >= 1, got {decode_block}")
         self.engine = engine
         self.decode_block = decode_block
+        self.lookahead = lookahead
         self.detokenizer = detokenizer
         self.max_queue = max_queue
         self.prefill_chunk = min(prefill_chunk or engine.ubatch, engine.ubatch)
@@ -222,7 +230,9 @@ class Scheduler:
         # Sequences with one pending token: generating, just done reading, or a 1-token prompt.
         generating = [r for r in self._running if r.seq.pending == 1]
         if generating:
-            for step in self.engine.decode_block([r.seq for r in generating], self._block(generating, reading)):
+            n = self._block(generating, reading)
+            ahead = self.lookahead and n > 1 and self._room(generating) >= 2 * n
+            for step in self.engine.decode_block([r.seq for r in generating], n, ahead=ahead):
                 for r, sampled in zip(generating, step):
                     if not r.done:  # a stop earlier in the block: the rest is dropped
                         events += self._on_token(r, sampled)
@@ -234,9 +244,12 @@ class Scheduler:
         a bucket, whatever the lengths)."""
         if self.decode_block == 1 or reading or self._waiting:
             return 1
-        room = min(min(r.stop.max_tokens - len(r.tokens), self.engine.max_context - r.seq.n_cached)
+        return self.decode_block if self._room(generating) >= self.decode_block else 1
+
+    def _room(self, generating: list[Request]) -> int:
+        """Tokens every generating sequence may still take (max_tokens and the context)."""
+        return min(min(r.stop.max_tokens - len(r.tokens), self.engine.max_context - r.seq.n_cached)
                    for r in generating)
-        return self.decode_block if room >= self.decode_block else 1
 
     def _on_token(self, r: Request, s: Sampled) -> list[Event]:
         if r.timings.t_first is None:

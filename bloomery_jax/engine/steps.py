@@ -75,11 +75,15 @@ class StepFunctions:
         self._spare[key] = (out, logits, routing)
         return cache, sampler, out, logits, routing
 
-    def decode_block(self, params, cache, sampler, placement, tokens, positions, active, n: int, plan=None):
-        """n decode steps: ``(cache, sampler, SampleOut [n, ...], routing [n, ...])``."""
+    def decode_block(self, params, cache, sampler, placement, tokens, positions, active, n: int, plan=None,
+                     parity: int = 0):
+        """n decode steps: ``(cache, sampler, SampleOut [n, ...], routing [n, ...])``.
+
+        ``parity`` picks one of two output sets: a block launched while the one before it is still
+        unread (the engine's lookahead) must not take that one's buffers, so lookahead alternates."""
         plan = plan or self.full
         args = (params, cache, sampler, placement, tokens, positions, active)
-        key = ("block", int(np.shape(tokens)[0]), n, plan)
+        key = ("block", int(np.shape(tokens)[0]), n, plan, parity)
         spare = self._take_spare(key, lambda *a: _decode_steps(self.forward, self.cfg, plan, n, *a)[2:], args)
         cache, sampler, out, routing = _decode_block(self.forward, self.cfg, plan, n, *args, spare)
         self._spare[key] = (out, routing)
