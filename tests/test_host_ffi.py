@@ -122,9 +122,9 @@ def test_signal_comes_from_the_argument_then_the_environment(monkeypatch):
     from bloomery_jax.host.ffi import resolve_signal
 
     monkeypatch.delenv("BLOOMERY_FFI_SIGNAL", raising=False)
-    assert resolve_signal(None) == "hostfunc" and resolve_signal("doorbell") == "doorbell"
-    monkeypatch.setenv("BLOOMERY_FFI_SIGNAL", "doorbell")
     assert resolve_signal(None) == "doorbell" and resolve_signal("hostfunc") == "hostfunc"
+    monkeypatch.setenv("BLOOMERY_FFI_SIGNAL", "hostfunc")
+    assert resolve_signal(None) == "hostfunc" and resolve_signal("doorbell") == "doorbell"
     with pytest.raises(ConfigError, match="signal 'bell' is not one of hostfunc, doorbell"):
         resolve_signal("bell")
 
@@ -248,7 +248,7 @@ from bloomery_jax.host import ffi_layout as F, host_moe_swiglu
 from bloomery_jax.host.ffi import FfiHostBridge, library
 lib = library()
 layer = _layer("Q4_K_M")
-bridge = FfiHostBridge({5: layer}, threads=2)
+bridge = FfiHostBridge({5: layer}, threads=2, signal="hostfunc")  # the doorbell after it
 rec, slot = bridge._records[5], bridge._slots[5]
 rec[F.K] = 4  # set by moe() at trace time
 err = ctypes.create_string_buffer(256)

@@ -6,8 +6,10 @@ same kernel, ``entry.layer_entry``, at the same thread count). On the CPU the ha
 kernel on XLA's buffers; on a CUDA device it enqueues the copies to and from pinned staging
 buffers and the kernel on the step's stream, with no synchronisation, so XLA may keep the whole
 step one CUDA graph. How the stream hands the kernel to the host is the bridge's ``signal``
-(``ffi_layout.SIGNALS``): ``hostfunc`` (``cuLaunchHostFunc``, the default) or ``doorbell`` (the
-stream writes a pinned word that a spinning worker thread answers; ``ffi_bridge.cc``'s header);
+(``ffi_layout.SIGNALS``): ``doorbell`` (the default: the stream writes a pinned word that a
+spinning worker thread answers; ``ffi_bridge.cc``'s header) or ``hostfunc`` (``cuLaunchHostFunc``,
+the driver's callback thread; slower on the H100: 63 against 35 us an empty layer call, and
+n-cpu-moe=36 decode 36.6 against 41.0 tok/s, benchmarks/gpu_2026-12-05-s16 and -s17);
 ``BLOOMERY_FFI_SIGNAL`` sets the default. ``stream`` (prefill streaming) is a second
 custom call that copies a layer's whole expert tensor to the step's device.
 
@@ -133,8 +135,8 @@ def _on_cuda() -> bool:
 
 
 def resolve_signal(signal: str | None) -> str:
-    """The bridge's signal: ``signal``, else ``$BLOOMERY_FFI_SIGNAL``, else ``hostfunc``."""
-    name = signal or os.environ.get("BLOOMERY_FFI_SIGNAL") or F.SIGNALS[0]
+    """The bridge's signal: ``signal``, else ``$BLOOMERY_FFI_SIGNAL``, else ``doorbell``."""
+    name = signal or os.environ.get("BLOOMERY_FFI_SIGNAL") or "doorbell"
     if name not in F.SIGNALS:
         raise ConfigError(f"ffi host bridge signal {name!r} is not one of {', '.join(F.SIGNALS)}")
     return name
