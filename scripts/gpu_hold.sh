@@ -21,12 +21,14 @@
 #           doorbell), ratios; with QPROF=1
 #           and time left, the quarter-static decode profile (8 layers)
 #   hostab  n-cpu-moe=36 three ways: as is, with 12 Numba threads, with dynamic chunks of 4 work
-#           items (BLOOMERY_HOST_CHUNKSIZE): the engine's host kernel time under each
+#           items (BLOOMERY_HOST_CHUNKSIZE): the engine's host kernel time under each (answered in
+#           the seventeenth session: as is won, 47.5 against 45.1 and 40.6 tok/s)
 #   prefill the card bench with the prefill products on quant tiles with x in one bf16 part (pallas-bf16,
 #           the default since the sixteenth session, unmeasured end to end) and in two (pallas-qtiles,
 #           the sixteenth session's side-by-side), with time left pallas-q8 and the 8-layer pp512 profile
 #
-#   order: trace, side, prefill, hostab, then hybrid if device time is left (about 8-10 minutes each)
+#   order: trace, side, hybrid, then prefill if device time is left (about 5-10 minutes each; since
+#           the seventeenth session every bench launches decode blocks ahead, bench --no-lookahead not)
 #
 #   run: bash scripts/gpu_hold.sh trace|side|prefill|hostab|hybrid   (ATTN=0 skips the attention bench,
 #        LKB=0 the launch-config sweep, so that the committed tables are what runs; QPROF=1
