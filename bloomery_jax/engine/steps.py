@@ -84,6 +84,9 @@ class StepFunctions:
         plan = plan or self.full
         args = (params, cache, sampler, placement, tokens, positions, active)
         key = ("block", int(np.shape(tokens)[0]), n, plan, parity)
+        twin = self._spare.get(key[:-1] + (1 - parity,))
+        if key not in self._spare and twin is not None:  # the other set's shapes: no trace of the step
+            self._spare[key] = jax.tree.map(lambda a: jnp.zeros_like(a, device=a.sharding), twin)
         spare = self._take_spare(key, lambda *a: _decode_steps(self.forward, self.cfg, plan, n, *a)[2:], args)
         cache, sampler, out, routing = _decode_block(self.forward, self.cfg, plan, n, *args, spare)
         self._spare[key] = (out, routing)
