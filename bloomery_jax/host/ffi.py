@@ -219,7 +219,8 @@ class FfiHostBridge(HostBridge):
         """Start device ``ordinal``'s doorbell and the worker that answers it (once a process)."""
         err = ctypes.create_string_buffer(256)
         if self._lib.bloomery_ffi_doorbell_start(ordinal, err, len(err)):
-            raise ConfigError(f"ffi host bridge, doorbell signal: {err.value.decode()}")
+            raise ConfigError(f"ffi host bridge, doorbell signal: {err.value.decode()} "
+                              "(BLOOMERY_FFI_SIGNAL=hostfunc takes the driver's host-function thread)")
 
     @staticmethod
     def _record(layer: HostExpertLayer, entry: dict) -> np.ndarray:
