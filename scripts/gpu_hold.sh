@@ -27,6 +27,7 @@
 #           the default since the sixteenth session, unmeasured end to end) and in two (pallas-qtiles,
 #           the sixteenth session's side-by-side), with time left pallas-q8 and the 8-layer pp512 profile
 #
+#   next trace: VARIANTS="block8_dev block8_xlaroute" (the router in Pallas and in XLA, same call)
 #   order: trace, side, hybrid, then prefill if device time is left (about 5-10 minutes each; since
 #           the seventeenth session every bench launches decode blocks ahead, bench --no-lookahead not)
 #

@@ -7,7 +7,7 @@
 # one under the profiler (benchmarks/gpu_2026-12-03-s5): a profiler session turns XLA's command
 # buffers off. --xla_enable_command_buffers_during_profiling keeps the graph, so the trace gives
 # each node's time inside it and the gaps between nodes (profile_decode.py's device_span_ms and
-# timeline). Variants, all with --kernels pallas --attention pallas --routing pallas:
+# timeline). Variants, all with --kernels pallas --attention pallas --routing pallas (but one):
 #   graph    the trace with the graphs kept
 #   opbyop   the trace as XLA does it by default (kernels launched one by one)
 #   dump     no trace; XLA's thunk sequence of the decode module (what the graph holds)
@@ -15,6 +15,7 @@
 #   block8_dev  as block8, with loops and conditionals allowed as CUDA graph nodes too (command
 #            buffer types WHILE and CONDITIONAL). In the tenth session's trace they stayed on the
 #            host (the loop's body holds the cub sorts of the sampler and the top-n logprobs)
+#   block8_xlaroute  as block8_dev with --routing xla (the router in XLA's kernels)
 #
 #   run: [VARIANTS="graph block8"] bash scripts/graph_trace_probe.sh   (carry .whl and, to build llama.cpp, .baseline;
 #        BUILD=0 skips the build and the 48-layer file; writes under $OUT). The build and the
@@ -37,12 +38,16 @@ declare -A FLAGS=(
   [block8]="--xla_enable_command_buffers_during_profiling=true"
   [block8_dev]="--xla_enable_command_buffers_during_profiling=true --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"
 )
+# block8_dev with the router's norm, product and top-k in XLA (the pallas router_logits took 5.6 us
+# a layer where XLA's three kernels had taken 4.6: docs/LOG.md, seventeenth session)
+FLAGS[block8_xlaroute]=${FLAGS[block8_dev]}
 for v in ${VARIANTS:-graph block8 block8_dev dump opbyop}; do
   [ $SECONDS -gt 450 ] && { echo "$v: skipped, the call's time is nearly spent"; continue; }
   trace=""; [ $v = dump ] && trace="--no-trace"
   [[ $v == block8* ]] && trace="--decode-block 8"
+  routing=pallas; [[ $v == *_xlaroute ]] && routing=xla
   XLA_FLAGS="${FLAGS[$v]}" taskset -c $CORES timeout 150 python3 scripts/profile_decode.py --model $M8 \
-    --kernels pallas --attention pallas --routing pallas --steps 16 $trace --out /tmp/gtp-$v > /tmp/gtp-$v.log 2>&1
+    --kernels pallas --attention pallas --routing $routing --steps 16 $trace --out /tmp/gtp-$v > /tmp/gtp-$v.log 2>&1
   echo "$v: rc $? at ${SECONDS}s"
   if [ -f /tmp/gtp-$v/profile.json ]; then
     cp /tmp/gtp-$v/profile.json "$RES/profile-$v.json"
