@@ -6,7 +6,10 @@ Contract. :func:`source_witness` returns a JSON-ready dict:
 - ``dirty_tracked``: how many tracked files differ from that commit, or None;
 - ``packages``: versions of jax, jaxlib, numpy, gguf and bloomery_jax (None when one is absent);
 - ``device``: platform, device kind and count of ``jax.devices()``; ``python``: its version;
-- ``xla_flags``: the ``XLA_FLAGS`` the compiler ran under ("" when unset): they change the code.
+- ``xla_flags``: the ``XLA_FLAGS`` the compiler ran under ("" when unset): they change the code;
+- ``source_digest``: a hash of this package's files as they are on disk (:func:`source_digest`),
+  which names the code where git cannot: a copied tree whose ``.git`` is another commit's (the
+  GPU machine's). :func:`commit_digest` gives the same hash for a commit, to find which one it was.
 
 None means *unknown* (no git, not a checkout, git failed): a count that cannot be read is never
 reported as 0, since 0 would claim a clean tree. :func:`describe` renders it on one line with
@@ -16,6 +19,7 @@ the index lock from someone committing in the same checkout.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import json
 import os
@@ -53,6 +57,47 @@ def git_state(repo: str | os.PathLike | None = None) -> tuple[str | None, int | 
     return commit, sum(1 for line in status.splitlines() if line.strip())
 
 
+PACKAGE_DIR = Path(__file__).resolve().parent
+SKIPPED = ("__pycache__",)  # compiled copies, not source
+
+
+def _digest(files) -> str:
+    """sha256 over (relative path, bytes) pairs in path order; 16 hex digits."""
+    h = hashlib.sha256()
+    for rel, data in sorted(files):
+        h.update(rel.encode() + b"\0" + len(data).to_bytes(8, "little") + data)
+    return h.hexdigest()[:16]
+
+
+def source_digest(package_dir: str | os.PathLike | None = None) -> str:
+    """The digest of every file under ``package_dir`` (default: this package) but ``SKIPPED``
+    folders and ``.pyc`` files, by path relative to the package's parent."""
+    root = Path(package_dir) if package_dir is not None else PACKAGE_DIR
+    files = []
+    for path in root.rglob("*"):
+        if path.is_file() and path.suffix != ".pyc" and not set(SKIPPED) & set(path.relative_to(root).parts):
+            files.append((path.relative_to(root.parent).as_posix(), path.read_bytes()))
+    return _digest(files)
+
+
+def commit_digest(commit: str, repo: str | os.PathLike | None = None, package: str = PACKAGE_DIR.name) -> str | None:
+    """:func:`source_digest` of ``package`` as committed in ``commit`` (None when git cannot say)."""
+    repo = Path(repo) if repo is not None else PACKAGE_DIR.parent
+    names = _git(repo, "ls-tree", "-r", "--name-only", commit, package)
+    if names is None:
+        return None
+    files = []
+    for rel in names.splitlines():
+        if rel.endswith(".pyc") or set(SKIPPED) & set(rel.split("/")):
+            continue
+        res = subprocess.run(["git", "--no-optional-locks", "-C", str(repo), "show", f"{commit}:{rel}"],
+                             capture_output=True, timeout=10)
+        if res.returncode != 0:
+            return None
+        files.append((rel, res.stdout))
+    return _digest(files)
+
+
 def package_versions() -> dict[str, str | None]:
     out = {}
     for name in PACKAGES:
@@ -82,7 +127,7 @@ def source_witness(repo: str | os.PathLike | None = None) -> dict[str, object]:
     commit, dirty = git_state(repo)
     return {"commit": commit, "dirty_tracked": dirty, "packages": package_versions(), "device": device_info(),
             "python": platform.python_version(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
-            "gemv_tuned": gemv_tuned_file()}
+            "gemv_tuned": gemv_tuned_file(), "source_digest": source_digest()}
 
 
 def gemv_tuned_file() -> object:
@@ -109,4 +154,5 @@ def describe(w: dict[str, object]) -> str:
     dirty_s = "unknown dirty state" if dirty is None else f"{dirty} dirty tracked file{'s' if dirty != 1 else ''}"
     pkgs = " ".join(f"{k} {unknown(v)}" for k, v in w["packages"].items())
     d = w["device"]
-    return f"commit {commit} ({dirty_s}) | {pkgs} | {unknown(d.get('platform'))}: {unknown(d.get('kind'))} x{unknown(d.get('count'))}"
+    return (f"commit {commit} ({dirty_s}) | source {w.get('source_digest')} | {pkgs} | "
+            f"{unknown(d.get('platform'))}: {unknown(d.get('kind'))} x{unknown(d.get('count'))}")

@@ -97,3 +97,28 @@ def test_witness_unknown_is_none_never_zero(tmp_path, monkeypatch):
     assert w["commit"] is None and w["dirty_tracked"] is None
     line = witness.describe(w)
     assert "commit unknown (unknown dirty state)" in line and " 0 dirty" not in line
+
+
+def test_source_digest_names_the_code_without_git(tmp_path):
+    """The files on disk give the digest that the commit holding them gives through git, so a
+    record from a copied tree (whose .git is another commit's) still names its code; compiled
+    copies do not count, a changed byte does."""
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "a.py").write_text("x = 1\n")
+    (pkg / "sub" / "b.cc").write_text("int b;\n")
+    git("init", "-q")
+    git("add", "pkg")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "x")
+    digest = witness.source_digest(pkg)
+    assert len(digest) == 16 and witness.commit_digest("HEAD", tmp_path, "pkg") == digest
+    (pkg / "__pycache__").mkdir()
+    (pkg / "__pycache__" / "a.cpython-312.pyc").write_bytes(b"\0compiled")
+    assert witness.source_digest(pkg) == digest
+    (pkg / "a.py").write_text("x = 2\n")
+    assert witness.source_digest(pkg) != digest
+    assert witness.commit_digest("no-such-commit", tmp_path, "pkg") is None
+    assert witness.source_witness()["source_digest"] == witness.source_digest()
