@@ -265,9 +265,13 @@ struct alignas(64) Bell {
 constexpr uint32_t kWaitEq = 0x1;     // CU_STREAM_WAIT_VALUE_EQ
 constexpr uint32_t kWriteDefault = 0;  // CU_STREAM_WRITE_VALUE_DEFAULT: after all earlier work of the stream
 // How long the worker spins after its last call before it polls at kPollSleep (a decode step
-// calls every few hundred microseconds; between requests the worker should not hold a core).
+// calls every few hundred microseconds; between requests the worker should not hold a core),
+// and after how long it dozes at kDozeSleep (an idle server: a ~1 ms later first call of the
+// next request instead of tens of thousands of wake-ups a second).
 constexpr auto kSpinIdle = std::chrono::milliseconds(200);
 constexpr auto kPollSleep = std::chrono::microseconds(20);
+constexpr auto kDozeIdle = std::chrono::seconds(5);
+constexpr auto kDozeSleep = std::chrono::milliseconds(1);
 
 Bell* g_bells = nullptr;                // [kMaxDevices], pinned
 uint64_t g_bell_device[kMaxDevices];    // each bell's device address, 0 until started
@@ -301,6 +305,8 @@ void BellWorker() {
     auto now = std::chrono::steady_clock::now();
     if (ran)
       last = now;
+    else if (now - last > kDozeIdle)
+      std::this_thread::sleep_for(kDozeSleep);
     else if (now - last > kSpinIdle)
       std::this_thread::sleep_for(kPollSleep);
     else
