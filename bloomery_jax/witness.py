@@ -58,7 +58,12 @@ def git_state(repo: str | os.PathLike | None = None) -> tuple[str | None, int | 
 
 
 PACKAGE_DIR = Path(__file__).resolve().parent
-SKIPPED = ("__pycache__",)  # compiled copies, not source
+SKIPPED = ("__pycache__",)  # folders of compiled copies, not source
+
+
+def _is_source(rel: str) -> bool:
+    """Is the package file at ``rel`` (a posix path) part of the digest?"""
+    return not rel.endswith(".pyc") and not set(SKIPPED) & set(rel.split("/"))
 
 
 def _digest(files) -> str:
@@ -75,8 +80,9 @@ def source_digest(package_dir: str | os.PathLike | None = None) -> str:
     root = Path(package_dir) if package_dir is not None else PACKAGE_DIR
     files = []
     for path in root.rglob("*"):
-        if path.is_file() and path.suffix != ".pyc" and not set(SKIPPED) & set(path.relative_to(root).parts):
-            files.append((path.relative_to(root.parent).as_posix(), path.read_bytes()))
+        rel = path.relative_to(root.parent).as_posix()
+        if path.is_file() and _is_source(rel):
+            files.append((rel, path.read_bytes()))
     return _digest(files)
 
 
@@ -87,9 +93,7 @@ def commit_digest(commit: str, repo: str | os.PathLike | None = None, package: s
     if names is None:
         return None
     files = []
-    for rel in names.splitlines():
-        if rel.endswith(".pyc") or set(SKIPPED) & set(rel.split("/")):
-            continue
+    for rel in filter(_is_source, names.splitlines()):
         res = subprocess.run(["git", "--no-optional-locks", "-C", str(repo), "show", f"{commit}:{rel}"],
                              capture_output=True, timeout=10)
         if res.returncode != 0:
