@@ -413,3 +413,55 @@ def test_prefetch_changes_no_bit(name):
             on = host_moe_swiglu(x, experts, weights, on_host, layer, multi_min=multi_min, rows_per_item=5,
                                  prefetch_rows=rows)
             np.testing.assert_array_equal(on, off)
+
+
+@pytest.mark.parametrize("name", ["Q4_K_M", "Q8_0_tail"])
+def test_work_item_layout_changes_no_bit(name):
+    """One cost-balanced share of the rows a thread (rows_per_item 0, the default; shares cross
+    experts) and fixed blocks within an expert give the same output bit for bit, on the one-token
+    path and the decoded-row path, at one thread and at all of them."""
+    layer = _layer(name)
+    x, experts, weights = _shared_routing(np.random.default_rng(11), 12, 3)
+    on_host = np.ones(E, bool)
+    on_host[experts[0, 1]] = False
+    before = numba.get_num_threads()
+    for multi_min in (1000, 2):
+        blocks = host_moe_swiglu(x, experts, weights, on_host, layer, multi_min=multi_min, rows_per_item=5)
+        assert blocks.any()
+        for threads in (1, before):
+            try:
+                numba.set_num_threads(threads)
+                for rows in (0, 16):
+                    y = host_moe_swiglu(x, experts, weights, on_host, layer, multi_min=multi_min, rows_per_item=rows)
+                    np.testing.assert_array_equal(y, blocks)
+            finally:
+                numba.set_num_threads(before)
+
+
+def test_phase1_shares_cover_the_rows_at_even_cost():
+    """The shares are contiguous, cover every (expert, row) once, and each costs the even share
+    to within one row of the dearest expert; fixed blocks stay inside one expert."""
+    from bloomery_jax.host.swiglu import _phase1_items
+
+    rng = np.random.default_rng(12)
+    for _ in range(40):
+        F = int(rng.integers(1, 100))
+        tokens = rng.integers(1, 12, int(rng.integers(1, 9)))  # tokens of each routed expert
+        start = np.zeros(E + 1, np.int64)
+        gexp = np.sort(rng.choice(E, tokens.size, replace=False)).astype(np.int64)
+        for e, t in zip(gexp, tokens):
+            start[e + 1] = t
+        start = np.cumsum(start)
+        threads, mmin = int(rng.integers(1, 20)), int(rng.integers(1, 6))
+        b = _phase1_items(start, gexp, F, 0, threads, mmin)
+        assert b[0] == 0 and b[-1] == gexp.size * F and np.all(np.diff(b) >= 0)
+        assert b.size - 1 == min(threads, gexp.size * F)
+        row_cost = np.where(tokens < mmin, tokens, 2.0 + 0.5 * tokens)
+        cum = np.concatenate([[0.0], np.cumsum(np.repeat(row_cost, F))])  # cost before flat row q
+        share = cum[b]
+        even = cum[-1] * np.arange(b.size) / (b.size - 1)
+        assert np.all(np.abs(share - even) <= row_cost.max() + 1e-9)
+        rpi = int(rng.integers(1, 40))
+        fixed = _phase1_items(start, gexp, F, rpi, threads, mmin)
+        assert fixed[-1] == gexp.size * F and np.all(np.diff(fixed) > 0) and np.all(np.diff(fixed) <= rpi)
+        assert np.all((fixed[1:] - 1) // F == fixed[:-1] // F)  # each block within one expert

@@ -97,7 +97,9 @@ KERNEL_FORMATS = {T.F32: B.F32, T.F16: B.F16, T.BF16: B.BF16, T.Q8_0: B.Q8_0,
                   T.Q4_K: B.Q4_K, T.Q5_K: B.Q5_K, T.Q6_K: B.Q6_K}
 ACTS = ("f32", "q8")
 DEFAULT_ACT = "q8"
-ROWS_PER_ITEM = 16  # rows of one expert per parallel work item
+# Rows of one expert per parallel work item; 0: one share of the rows a thread, cut where the
+# estimated cost is even (see _phase1_items). BLOOMERY_HOST_ROWS sets the default (a speed setting).
+ROWS_PER_ITEM = int(os.environ.get("BLOOMERY_HOST_ROWS", "0"))
 # Rows ahead of the one being dotted whose bytes a thread asks the cache for (0: none; the
 # hardware's prefetchers alone). A speed setting only; BLOOMERY_HOST_PREFETCH sets the default.
 PREFETCH_ROWS = int(os.environ.get("BLOOMERY_HOST_PREFETCH", "0"))
@@ -233,7 +235,8 @@ def host_moe_swiglu(x: np.ndarray, experts: np.ndarray, weights: np.ndarray, on_
       on_host: bool ``[E]``.
       layer: the layer's host tensors.
       act: ``"f32"`` or ``"q8"`` (default: ``layer.act``).
-      rows_per_item: rows of one expert per parallel work item.
+      rows_per_item: rows of one expert per parallel work item; 0: one share of the rows a
+        thread, cut where the estimated cost is even.
       chunksize: work items a thread takes at a time (``numba.set_parallel_chunksize``, for this
         call only); 0 gives each thread one equal contiguous share up front (static), > 0 hands
         chunks out as threads free up (dynamic; see the module docstring on threads).
@@ -268,7 +271,7 @@ def host_moe_swiglu(x: np.ndarray, experts: np.ndarray, weights: np.ndarray, on_
     before = numba.set_parallel_chunksize(int(chunksize))  # this thread's setting: restored below
     try:
         return _moe_kernel(out, x, experts, weights, on_host, layer.gate.raw, layer.up.raw, layer.down.raw,
-                           *s.formats, s.q8, _TAB16, _TABBF, max(1, int(rows_per_item)),
+                           *s.formats, s.q8, _TAB16, _TABBF, max(0, int(rows_per_item)),
                            numba.get_num_threads(), s.mmin1, s.mmin2, max(0, int(prefetch_rows)))
     finally:
         numba.set_parallel_chunksize(before)
@@ -385,6 +388,46 @@ def _ahead(w, e, r, pf, r1):
         prefetch(w[e, r + pf], 0, w.shape[2])
 
 
+@njit(cache=True, nogil=True)
+def _phase1_items(start, gexp, F, rpi, nthreads, mmin):
+    """Bounds ``[items + 1]`` of phase 1's work items in the flat row space q = g * F + f.
+
+    ``rpi`` > 0: blocks of ``rpi`` rows within one expert. ``rpi`` == 0: one contiguous share a
+    thread, cut where the estimated cost is even, so each thread streams long runs of rows (a
+    run per expert it crosses) and no thread waits on a last short item. A row's cost is its
+    expert's token count T on the per-token path, and about 2 + T / 2 on the decoded path (it
+    breaks even with per-token dots near T = 4: module docstring).
+    """
+    G = gexp.shape[0]
+    if rpi > 0:
+        nrb = (F + rpi - 1) // rpi
+        bounds = np.empty(G * nrb + 1, np.int64)
+        for g in range(G):
+            for b in range(nrb):
+                bounds[g * nrb + b] = g * F + b * rpi
+        bounds[G * nrb] = G * F
+        return bounds
+    cost = np.empty(G, np.float64)  # one row of group g
+    for g in range(G):
+        T = start[gexp[g] + 1] - start[gexp[g]]
+        cost[g] = T if T < mmin else 2.0 + 0.5 * T
+    parts = max(1, min(nthreads, G * F))
+    total = F * cost.sum()
+    bounds = np.empty(parts + 1, np.int64)
+    bounds[0] = 0
+    g = 0
+    before = 0.0  # cost of the groups before g
+    for i in range(1, parts):
+        target = total * i / parts
+        while g < G - 1 and before + F * cost[g] <= target:
+            before += F * cost[g]
+            g += 1
+        q = g * F + int(round((target - before) / cost[g]))
+        bounds[i] = min(max(q, bounds[i - 1]), G * F)
+    bounds[parts] = G * F
+    return bounds
+
+
 @njit(parallel=True, fastmath=True, cache=True, nogil=True)
 def _moe_kernel(out, x, experts, weights, on_host, gw, uw, dw, gfmt, ufmt, dfmt, q8, tab16, tabbf, rpi, nthreads,
                 mmin1, mmin2, pf):
@@ -441,38 +484,45 @@ def _moe_kernel(out, x, experts, weights, on_host, gw, uw, dw, gfmt, ufmt, dfmt,
         for n in range(N):
             _prepare_row(x, n, ka, kb, XS, XQK, XDK, XBK, XQ8, X16, XQ0, XD0)
     H = np.empty((P, F), np.float32)
-    nrb = (F + rpi - 1) // rpi
-    for it in prange(G * nrb):
-        e = gexp[it // nrb]
-        r0 = (it % nrb) * rpi
-        r1 = min(F, r0 + rpi)
-        p0, p1 = start[e], start[e + 1]
-        if p1 - p0 < mmin1:  # few tokens: each (row, token) dot reads the row's blocks itself
-            for r in range(r0, r1):
-                _ahead(gw, e, r, pf, r1)
-                _ahead(uw, e, r, pf, r1)
-                grow = gw[e, r]
-                urow = uw[e, r]
-                for p in range(p0, p1):
-                    t = pair_tok[p]
-                    a = _row_dot(gfmt, q8, grow, t, x, XS, XQK, XDK, XBK, XQ8, X16, XQ0, XD0, tab16, tabbf)
-                    b = _row_dot(ufmt, q8, urow, t, x, XS, XQK, XDK, XBK, XQ8, X16, XQ0, XD0, tab16, tabbf)
-                    H[p, r] = a / (np.float32(1.0) + np.exp(-a)) * b
-        else:  # several tokens: decode each row once, then dot it with every token
-            wq, wsc, wm, wdm, wf = _row_buffers(D)
-            ga = np.empty(p1 - p0, np.float32)
-            ub = np.empty(p1 - p0, np.float32)
-            ids = pair_tok[p0:p1]
-            for r in range(r0, r1):
-                _ahead(gw, e, r, pf, r1)
-                _ahead(uw, e, r, pf, r1)
-                B.decode_row(gfmt, ka, gw[e, r], wq, wsc, wm, wdm, wf, tab16, tabbf)
-                B.mdot(gfmt, ka, wq, wsc, wm, wdm, wf, ids, x, XQK, XDK, XBK, XQ0, XD0, ga)
-                B.decode_row(ufmt, kb, uw[e, r], wq, wsc, wm, wdm, wf, tab16, tabbf)
-                B.mdot(ufmt, kb, wq, wsc, wm, wdm, wf, ids, x, XQK, XDK, XBK, XQ0, XD0, ub)
-                for i in range(p1 - p0):
-                    a = ga[i]
-                    H[p0 + i, r] = a / (np.float32(1.0) + np.exp(-a)) * ub[i]
+    # Items are ranges of the flat row space q = g * F + f (group g's expert, row f); a range may
+    # span experts, and is walked as one segment per expert.
+    bounds = _phase1_items(start, gexp, F, rpi, nthreads, mmin1)
+    for it in prange(bounds.shape[0] - 1):
+        q0, q1 = bounds[it], bounds[it + 1]
+        wq, wsc, wm, wdm, wf = _row_buffers(D if maxc >= mmin1 else 0)
+        ga = np.empty(maxc, np.float32)
+        ub = np.empty(maxc, np.float32)
+        q = q0
+        while q < q1:
+            g = q // F
+            e = gexp[g]
+            r0 = q - g * F
+            r1 = min(F, r0 + (q1 - q))
+            q += r1 - r0
+            p0, p1 = start[e], start[e + 1]
+            if p1 - p0 < mmin1:  # few tokens: each (row, token) dot reads the row's blocks itself
+                for r in range(r0, r1):
+                    _ahead(gw, e, r, pf, r1)
+                    _ahead(uw, e, r, pf, r1)
+                    grow = gw[e, r]
+                    urow = uw[e, r]
+                    for p in range(p0, p1):
+                        t = pair_tok[p]
+                        a = _row_dot(gfmt, q8, grow, t, x, XS, XQK, XDK, XBK, XQ8, X16, XQ0, XD0, tab16, tabbf)
+                        b = _row_dot(ufmt, q8, urow, t, x, XS, XQK, XDK, XBK, XQ8, X16, XQ0, XD0, tab16, tabbf)
+                        H[p, r] = a / (np.float32(1.0) + np.exp(-a)) * b
+            else:  # several tokens: decode each row once, then dot it with every token
+                ids = pair_tok[p0:p1]
+                for r in range(r0, r1):
+                    _ahead(gw, e, r, pf, r1)
+                    _ahead(uw, e, r, pf, r1)
+                    B.decode_row(gfmt, ka, gw[e, r], wq, wsc, wm, wdm, wf, tab16, tabbf)
+                    B.mdot(gfmt, ka, wq, wsc, wm, wdm, wf, ids, x, XQK, XDK, XBK, XQ0, XD0, ga)
+                    B.decode_row(ufmt, kb, uw[e, r], wq, wsc, wm, wdm, wf, tab16, tabbf)
+                    B.mdot(ufmt, kb, wq, wsc, wm, wdm, wf, ids, x, XQK, XDK, XBK, XQ0, XD0, ub)
+                    for i in range(p1 - p0):
+                        a = ga[i]
+                        H[p0 + i, r] = a / (np.float32(1.0) + np.exp(-a)) * ub[i]
 
     # Phase 2: out[t, d] += w_p (down_e[d] · H[p]), items = blocks of D rows across all experts:
     # an item owns those columns of out for every token, so no element has two writers, and each
@@ -485,7 +535,10 @@ def _moe_kernel(out, x, experts, weights, on_host, gw, uw, dw, gfmt, ufmt, dfmt,
     else:
         for p in range(P):
             _prepare_row(H, p, kd, kd, HS, HQK, HDK, HBK, HQ8, H16, HQ0, HD0)
-    rpi2 = max(1, min(rpi, D // (4 * nthreads)))  # >= 4 items a thread
+    if rpi > 0:
+        rpi2 = max(1, min(rpi, D // (4 * nthreads)))  # >= 4 items a thread
+    else:  # one share a thread: every row costs the same here (all experts in each)
+        rpi2 = (D + nthreads - 1) // nthreads
     nrb = (D + rpi2 - 1) // rpi2
     for it in prange(nrb):
         r0 = it * rpi2
