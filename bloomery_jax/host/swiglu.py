@@ -102,7 +102,10 @@ DEFAULT_ACT = "q8"
 ROWS_PER_ITEM = int(os.environ.get("BLOOMERY_HOST_ROWS", "0"))
 # Rows ahead of the one being dotted whose bytes a thread asks the cache for (0: none; the
 # hardware's prefetchers alone). A speed setting only; BLOOMERY_HOST_PREFETCH sets the default.
-PREFETCH_ROWS = int(os.environ.get("BLOOMERY_HOST_PREFETCH", "0"))
+# Shares with 2 rows ahead against blocks of 16 without, n-cpu-moe=36 decode on the H100's
+# 16-core host: 54.0 against 48.1 tok/s, 0.416 against 0.484 ms a layer call; shares without
+# the hint 48.2 (benchmarks/gpu_2026-12-05-s18, hostB).
+PREFETCH_ROWS = int(os.environ.get("BLOOMERY_HOST_PREFETCH", "2"))
 # Activation rows with fewer elements than this are prepared (rounded to 8 bits, summed) on the
 # calling thread: a decode call's 1 x 2048 inputs and 8 x 768 hidden rows take microseconds,
 # less than a parallel region's fork and join (and than waking the workers, where they sleep).
