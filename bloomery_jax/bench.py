@@ -206,9 +206,10 @@ def run(argv: list[str] | None = None, out=None, err=None) -> list[dict]:
     size = sum(int(t.data.nbytes) for t in model.gguf.tensors.values())
     kernels, bridge = model.kernels, model.bridge
     # the FFI bridge's signal on a GPU (ffi.resolve_signal), None without host experts or ffi;
-    # the host experts' memory pages (host.memory), None without host experts
+    # the host experts' memory pages (host.memory) and whether the host calls come in halves
+    # around the card's experts (ffi.resolve_overlap), None without host experts
     host = getattr(model.placement, "host", None)
-    signal, pages = getattr(host, "signal", None), getattr(host, "pages", None)
+    signal, pages, overlap = (getattr(host, a, None) for a in ("signal", "pages", "overlap"))
     rng = np.random.default_rng(args.seed)
     records = []
     for parallel in args.parallel:
@@ -216,7 +217,7 @@ def run(argv: list[str] | None = None, out=None, err=None) -> list[dict]:
         for r in recs:
             r.update(model=str(model.path), architecture=model.gguf.architecture, model_bytes=size,
                      ubatch=args.ubatch, kv_dtype=args.kv_dtype, kernels=kernels, attention=model.attention,
-                     bridge=bridge, host_signal=signal, host_pages=pages, routing=model.routing, weights=args.weights,
+                     bridge=bridge, host_signal=signal, host_pages=pages, host_overlap=overlap, routing=model.routing, weights=args.weights,
                      decode_block=args.decode_block, lookahead=args.lookahead, reps=args.reps, load_s=load_s,
                      compile_s=compile_s, witness=witness)
             if args.json:  # as each finishes: a run cut short still leaves what it measured

@@ -20,18 +20,18 @@
 #           quarter budget static and lfu-stream over the FFI bridge with $SIGNAL (default
 #           doorbell), ratios; with QPROF=1
 #           and time left, the quarter-static decode profile (8 layers)
-#   hostab  n-cpu-moe=36 three ways: as is, with 12 Numba threads, with dynamic chunks of 4 work
-#           items (BLOOMERY_HOST_CHUNKSIZE): the engine's host kernel time under each (answered in
-#           the seventeenth session: as is won, 47.5 against 45.1 and 40.6 tok/s)
+#   overlap the quarter budget (static, lfu-stream) with the mixed layers' host calls whole and
+#           in two halves around their card experts (BLOOMERY_FFI_OVERLAP=0 / 1), llama-bench -ncmoe 36
+#           (the eighteenth session replaced `hostab`, answered in the seventeenth: the defaults won)
 #   prefill the card bench with the prefill products on quant tiles with x in one bf16 part (pallas-bf16,
 #           the default since the sixteenth session, unmeasured end to end) and in two (pallas-qtiles,
 #           the sixteenth session's side-by-side), with time left pallas-q8 and the 8-layer pp512 profile
 #
-#   next trace: VARIANTS="block8_dev block8_xlaroute" (the router in Pallas and in XLA, same call)
-#   order: trace, side, hybrid, then prefill if device time is left (about 5-10 minutes each; since
-#           the seventeenth session every bench launches decode blocks ahead, bench --no-lookahead not)
+#   order: side (it starts the builds itself), overlap at once after it (the build and the file
+#           stay in /tmp on a warm machine), then trace or hybrid if device time is left (about 5-10
+#           minutes each; every bench launches decode blocks ahead, bench --no-lookahead not)
 #
-#   run: bash scripts/gpu_hold.sh trace|side|prefill|hostab|hybrid   (ATTN=0 skips the attention bench,
+#   run: bash scripts/gpu_hold.sh trace|side|prefill|overlap|hybrid   (ATTN=0 skips the attention bench,
 #        LKB=0 the launch-config sweep, so that the committed tables are what runs; QPROF=1
 #        adds the quarter profile; HOST_LAYOUTS narrows gpu_session's host sweep)
 set -u
@@ -81,18 +81,17 @@ hybrid)
     echo "quarter profile: rc $?"; cp /tmp/qprof/profile.json "$RES/profile-quarter-static.json" 2>/dev/null
   fi
   ;;
-hostab)
-  # why the engine's host calls ran at ~42 GB/s where the host bench gave 53-62 (docs/LOG.md,
-  # sixteenth session): n-cpu-moe=36 as is, with two Numba threads fewer (a spinning runtime
-  # thread sharing their cores?), and with work items handed out as threads free up (dynamic
-  # chunks) instead of a static split; each record's placement has host_kernel_s and the settings
+overlap)
+  # the quarter budget with each mixed layer's host call whole and in two halves around its card
+  # experts (BLOOMERY_FFI_OVERLAP, the doorbell), each beside llama.cpp -ncmoe 36 from this call
   bash scripts/await_builds.sh 240 || exit 1
   python3 scripts/gpu_session.py --out $RES llamacpp --only ncmoe36
-  for v in base threads12 chunks4; do
+  for v in whole halves; do
     [ $SECONDS -gt 400 ] && { echo "$v: skipped, the call's time is nearly spent"; continue; }
-    mkdir -p $RES/$v
-    case $v in threads12) export NUMBA_NUM_THREADS=12 ;; chunks4) unset NUMBA_NUM_THREADS; export BLOOMERY_HOST_CHUNKSIZE=4 ;; esac
-    ${B/--out $RES/--out $RES/$v} --bridge ffi --signal "${SIGNAL:-doorbell}" bench --only ncmoe36
+    mkdir -p $RES/$v && cp $RES/llamacpp.json $RES/$v/
+    BLOOMERY_FFI_OVERLAP=$([ $v = halves ] && echo 1 || echo 0) ${B/--out $RES/--out $RES/$v} --bridge ffi \
+      --signal doorbell bench --only quarter-static,quarter-lfu-stream
+    python3 scripts/gpu_session.py --out $RES/$v compare
   done
   ;;
 prefill)

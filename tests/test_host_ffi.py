@@ -8,6 +8,8 @@ GPU machine (scripts/bridge_bench.py).
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -168,6 +170,47 @@ def test_hybrid_model_same_logits_and_tokens_as_callback(synth_model):
     assert decoded[1] == decoded[0]
 
 
+def test_overlapped_halves_same_logits_and_tokens(synth_model, monkeypatch):
+    """With BLOOMERY_FFI_OVERLAP=1, a layer with experts on both sides makes its host call in two
+    halves around the card's experts (the start, a barrier, the card, the finish): the same
+    prefill logits and greedy tokens, bit for bit, as one whole call, and as many calls counted.
+    A step of layers without card experts keeps the whole call."""
+    path, _ = synth_model(qtype="Q4_K_M", seed=11, **SHAPE)
+    tokens, pos = jnp.asarray(prompt()[None, :12]), jnp.asarray(np.arange(12)[None])
+    logits, decoded, calls = [], [], []
+    for overlap in ("0", "1"):
+        monkeypatch.setenv("BLOOMERY_FFI_OVERLAP", overlap)
+        model = load_model(path, place="card-experts=4", host_act="q8", bridge="ffi")
+        assert model.placement.host.overlap == (overlap == "1")
+        step = jax.jit(forward, static_argnums=1)
+        args = (model.params, model.cfg, tokens, pos, model.init_cache(1, 12), model.placement)
+        hlo = step.lower(*args).as_text()
+        assert ("bloomery_host_moe_start" in hlo and "bloomery_host_moe_finish" in hlo
+                and "optimization_barrier" in hlo) == (overlap == "1"), overlap
+        logits.append(np.asarray(step(*args)[0]))
+        decoded.append(greedy_tokens(model, prompt(1)[:10].tolist(), 8, n_slots=1, max_context=48))
+        calls.append(model.placement.host.stats.calls)
+    np.testing.assert_array_equal(logits[1], logits[0])
+    assert decoded[1] == decoded[0] and calls[1] == calls[0] > 0
+    monkeypatch.setenv("BLOOMERY_FFI_OVERLAP", "1")
+    model = load_model(path, place="cpu-moe", bridge="ffi")
+    hlo = jax.jit(forward, static_argnums=1).lower(model.params, model.cfg, tokens[:, :4], pos[:, :4],
+                                                   model.init_cache(1, 4), model.placement).as_text()
+    assert set(re.findall(r"bloomery_host_moe\w*", hlo)) == {"bloomery_host_moe"}
+
+
+def test_overlap_comes_from_the_argument_then_the_environment(monkeypatch):
+    from bloomery_jax.host.ffi import resolve_overlap
+
+    monkeypatch.delenv("BLOOMERY_FFI_OVERLAP", raising=False)
+    assert resolve_overlap(None) is False and resolve_overlap(True) is True
+    monkeypatch.setenv("BLOOMERY_FFI_OVERLAP", "1")
+    assert resolve_overlap(None) is True and resolve_overlap(False) is False
+    monkeypatch.setenv("BLOOMERY_FFI_OVERLAP", "yes")
+    with pytest.raises(ConfigError, match="BLOOMERY_FFI_OVERLAP='yes'"):
+        resolve_overlap(None)
+
+
 def test_prefill_streaming_same_logits_and_bytes_as_callback(synth_model):
     """Steps of 32 tokens or more copy each host layer's whole expert tensors to the device
     (the stream custom call): the same logits as the callback bridge, the same bytes counted,
@@ -252,9 +295,17 @@ bridge = FfiHostBridge({5: layer}, threads=2, signal="hostfunc")  # the doorbell
 rec, slot = bridge._records[5], bridge._slots[5]
 rec[F.K] = 4  # set by moe() at trace time
 err = ctypes.create_string_buffer(256)
-def enqueue(x, experts, weights, on_host, out):
+def enqueue(x, experts, weights, on_host, out, halves=3):  # 1 the start, 2 the finish, 3 the whole call
     return lib.bloomery_ffi_test_enqueue(ctypes.c_int64(slot), *(ctypes.c_void_p(a.ctypes.data) for a in
-        (x, experts, weights, on_host, out)), ctypes.c_int64(x.shape[0]), err, ctypes.c_size_t(len(err)))
+        (x, experts, weights, on_host, out)), ctypes.c_int64(x.shape[0]), ctypes.c_int(halves), err,
+        ctypes.c_size_t(len(err)))
+def halves(x, experts, weights, on_host):  # the start copies nothing back; the finish gives the whole result
+    x = 2 * x  # not the last call's input: a finish that did not wait for the host would copy its output
+    out = np.full_like(x, np.nan)
+    assert enqueue(x, experts, weights, on_host, out, 1) == 0, err.value
+    assert np.isnan(out).all()
+    assert enqueue(x, experts, weights, on_host, out, 2) == 0, err.value
+    np.testing.assert_array_equal(out, host_moe_swiglu(x, experts, weights, on_host, layer))
 rng = np.random.default_rng(7)
 x, experts, weights = _routing(rng, 3, 4)
 on_host = np.arange(E) % 3 != 0
@@ -268,6 +319,7 @@ for n in (3, 1, 3):  # new sizes intern new host calls; a size seen before reuse
     out = np.full_like(xs, np.nan)
     assert enqueue(xs, es, ws, on_host, out) == 0, err.value
     np.testing.assert_array_equal(out, host_moe_swiglu(xs, es, ws, on_host, layer))
+halves(x, experts, weights, on_host)
 import jax
 from bloomery_jax.host import ffi as ffi_module
 from bloomery_jax.host.bridge import HostBridge
@@ -293,7 +345,7 @@ blocks = np.asarray(bridge.experts_on_card(5, ids, cpu))
 np.testing.assert_array_equal(blocks, np.asarray(HostBridge.experts_on_card(bridge, 5, ids, cpu)))
 assert blocks.size == ids.size * sum(getattr(layer, r).data[0].nbytes for r in ("gate", "up", "down"))
 st = bridge.stats
-assert st.calls == 3 and st.pairs == int(on_host[experts].sum()) * 2 + int(on_host[experts[:1]].sum()), st
+assert st.calls == 4 and st.pairs == int(on_host[experts].sum()) * 3 + int(on_host[experts[:1]].sum()), st
 # the doorbell: the stand-in stream rings, our worker thread runs the call and answers, the
 # stream's wait returns; each call's id rung and answered anew (the same size twice in a row too)
 rec[F.SIGNAL] = F.SIGNALS.index("doorbell")
@@ -305,12 +357,13 @@ for n in (3, 3, 1, 3, 2):
     out = np.full_like(xs, np.nan)
     assert enqueue(xs, es, ws, on_host, out) == 0, err.value
     np.testing.assert_array_equal(out, host_moe_swiglu(xs, es, ws, on_host, layer))
+    halves(xs, es, ws, on_host)
 import time
 time.sleep(5.3)  # past the worker's 5 s to dozing: a call still gets answered
 out = np.full_like(x, np.nan)
 assert enqueue(x, experts, weights, on_host, out) == 0, err.value
 np.testing.assert_array_equal(out, host_moe_swiglu(x, experts, weights, on_host, layer))
-assert bridge.stats.calls == 9, bridge.stats
+assert bridge.stats.calls == 15, bridge.stats
 print("ok")
 """
 
@@ -319,7 +372,8 @@ def test_cuda_path_queues_copies_host_call_and_copy_back(tmp_path):
     """The CUDA handler's queue of work (staging copies in, the host call, copy out) against a
     stand-in driver that runs each call at once: the staging is sized and used right, and the
     result is the kernel's bit for bit, under both signals (cuLaunchHostFunc, the doorbell and
-    its worker thread); and the copy of chosen experts' rows to the card that seating uses.
+    its worker thread), whole and in two halves (the output arrives with the finish); and the
+    copy of chosen experts' rows to the card that seating uses.
     (Graph capture and the real driver run on the GPU machine.)"""
     import os
     import subprocess

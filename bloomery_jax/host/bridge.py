@@ -73,6 +73,9 @@ class HostBridge:
     # Steps branch around ``moe`` when none of their pairs is on the host: a callback synchronises
     # the stream anyway, so reading the branch's predicate costs nothing more.
     skip_empty_calls = True
+    # Steps call ``moe`` whole; a bridge that overlaps calls ``moe_start`` and ``moe_finish``
+    # around the layer's card experts instead (FfiHostBridge).
+    overlap = False
 
     def __init__(self, layers: dict[int, HostExpertLayer], threads: int | None = None, pages: str | None = None):
         self.pages = resolve_pages(pages)

@@ -47,6 +47,7 @@ from .swiglu import (_TAB16, _TABBF, CHUNKSIZE, EXPERT_ROLES, PREFETCH_ROWS, ROW
 
 SOURCE = Path(__file__).resolve().parent / "ffi_bridge.cc"
 TARGET = "bloomery_host_moe"
+START_TARGET, FINISH_TARGET = "bloomery_host_moe_start", "bloomery_host_moe_finish"  # a call in two halves
 STREAM_TARGET = "bloomery_host_stream"
 N_SLOTS = 1 << 16  # ffi_bridge.cc's kSlots
 
@@ -86,6 +87,8 @@ def library() -> ctypes.CDLL:
                                                 ctypes.c_int64, ctypes.c_int64, ctypes.c_char_p, ctypes.c_size_t]
     on_cuda = _on_cuda()
     for target, cpu, cuda in ((TARGET, lib.BloomeryHostMoeCpu, lib.BloomeryHostMoeCuda),
+                              (START_TARGET, lib.BloomeryHostMoeCpu, lib.BloomeryHostMoeStartCuda),
+                              (FINISH_TARGET, lib.BloomeryHostMoeFinishCpu, lib.BloomeryHostMoeFinishCuda),
                               (STREAM_TARGET, lib.BloomeryStreamCpu, lib.BloomeryStreamCuda)):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(cpu), platform="cpu")
         if on_cuda:
@@ -132,6 +135,19 @@ def pack_inputs(h, experts, weights, on_host) -> jax.Array:
 
 def _on_cuda() -> bool:
     return any(d.platform == "gpu" for d in jax.devices())
+
+
+def resolve_overlap(overlap: bool | None) -> bool:
+    """Whether layers with card and host experts make their host call in two halves around the
+    card's experts: ``overlap``, else ``$BLOOMERY_FFI_OVERLAP`` ("1" or "0"), else off. Only the
+    doorbell signal lets the card run between the halves. Off by default until the GPU machine
+    has measured it."""
+    if overlap is not None:
+        return bool(overlap)
+    value = os.environ.get("BLOOMERY_FFI_OVERLAP", "0")
+    if value not in ("0", "1"):
+        raise ConfigError(f"BLOOMERY_FFI_OVERLAP={value!r}: want 1 (on) or 0 (off)")
+    return value == "1"
 
 
 def resolve_signal(signal: str | None) -> str:
@@ -183,6 +199,7 @@ class FfiHostBridge(HostBridge):
       layers: MoE layer index → its three expert tensors on the host.
       threads: Numba threads for the host kernels (None = Numba's default).
       signal: how a CUDA stream hands the kernel to the host (:func:`resolve_signal`).
+      overlap: make each call in two halves around the layer's card experts (:func:`resolve_overlap`).
     """
 
     # No branch around ``moe``: XLA's CUDA graphs leave conditionals out by default, and outside a
@@ -192,10 +209,11 @@ class FfiHostBridge(HostBridge):
     skip_empty_calls = False
 
     def __init__(self, layers: dict[int, HostExpertLayer], threads: int | None = None, signal: str | None = None,
-                 pages: str | None = None):
+                 pages: str | None = None, overlap: bool | None = None):
         from .entry import layer_entry
 
         self.signal = resolve_signal(signal)
+        self.overlap = resolve_overlap(overlap)
         self._lib = library()
         self._pinned_buffers: list = []  # never freed: recorded CUDA graphs may copy to or from them
         super().__init__(layers, threads, pages)
@@ -246,6 +264,21 @@ class FfiHostBridge(HostBridge):
 
     def moe(self, i: int, h: jax.Array, experts: jax.Array, weights: jax.Array, on_host: jax.Array) -> jax.Array:
         """As :meth:`HostBridge.moe`, through the custom call."""
+        return self._call(TARGET, i, h, experts, weights, on_host)
+
+    def moe_start(self, i: int, h: jax.Array, experts: jax.Array, weights: jax.Array, on_host: jax.Array) -> jax.Array:
+        """The first half of :meth:`moe`: hands the call to the host and returns at once on a CUDA
+        stream with the doorbell signal. The result is only for :meth:`moe_finish`."""
+        return self._call(START_TARGET, i, h, experts, weights, on_host)
+
+    def moe_finish(self, i: int, started: jax.Array, after: jax.Array) -> jax.Array:
+        """The second half: layer ``i``'s host-expert output (as :meth:`moe`'s) from
+        :meth:`moe_start`'s result. ``after`` is any array the step must compute first (the
+        layer's card experts): it is an operand only, so that the wait for the host comes after it."""
+        call = jax.ffi.ffi_call(FINISH_TARGET, jax.ShapeDtypeStruct(started.shape, jnp.float32))
+        return call(started, after, slot=np.int64(self._slots[i]))
+
+    def _call(self, target: str, i: int, h, experts, weights, on_host) -> jax.Array:
         n, k = experts.shape
         rec = self._records[i]
         if rec[F.K] not in (0, k):
@@ -253,7 +286,7 @@ class FfiHostBridge(HostBridge):
         rec[F.K] = k
         if _on_cuda():
             self._ensure_staging(n, k)
-        call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(h.shape, jnp.float32))
+        call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(h.shape, jnp.float32))
         return call(pack_inputs(h, experts, weights, on_host), slot=np.int64(self._slots[i]))
 
     def stream(self, i: int, role: str):

@@ -20,6 +20,11 @@
 //   thread of ours that polls that word runs the call and writes the id into a second word, for
 //   which the stream waits (cuStreamWaitValue32) before it clears it and copies the output back.
 //   No driver thread has to be woken on either side; the worker spins while calls keep coming.
+// A call may also come in two halves (the start and finish targets): the start queues the copy
+// in and the signal, the finish the wait for the answer and the copy out, so that what the step
+// queues between them (the layer's card experts) runs on the card while the host computes. Only
+// the doorbell lets the stream go on past the start; with hostfunc the stream waits for the host
+// function there, and the halves cost what the whole call does.
 
 #include <dlfcn.h>
 
@@ -351,10 +356,14 @@ std::string StartBell(const Driver& cu, int ordinal) {
   return "";
 }
 
-// The CUDA path's work for one call: the copy in, the host function, the copy out, all queued
-// on `stream` of device `ordinal`. The buffers are device pointers: the packed inputs and the
-// output of n tokens.
-ffi::Error Enqueue(CUstream stream, int ordinal, int64_t* rec, const void* packed, void* out, int64_t n) {
+// The CUDA path's work for one call, queued on `stream` of device `ordinal`: with kStart, the copy
+// in and the hand-over to the host; with kFinish, the wait for the host's answer and the copy
+// out. The buffers are device pointers: the packed inputs (read by kStart) and the output of n
+// tokens (written by kFinish).
+constexpr int kStart = 1, kFinish = 2, kWhole = kStart | kFinish;
+
+ffi::Error Enqueue(CUstream stream, int ordinal, int64_t* rec, const void* packed, void* out, int64_t n,
+                   int halves = kWhole) {
   const Driver& cu = Cuda();
   if (!cu.error.empty()) return ffi::Error::Internal("bloomery host bridge: " + cu.error);
   if (n > rec[kStageTokens])
@@ -370,15 +379,20 @@ ffi::Error Enqueue(CUstream stream, int ordinal, int64_t* rec, const void* packe
   size_t act = 4 * n * rec[kD];
   auto dev = [](const void* p) { return reinterpret_cast<uint64_t>(p); };
   CUresult r = 0;
-  r |= cu.memcpy_async(dev(c->x), dev(packed), Offsets(rec, n).total, stream);  // c->x: the staging's start
-  if (doorbell) {
-    r |= cu.write_value32(stream, bell + offsetof(Bell, ring), c->id, kWriteDefault);
-    r |= cu.wait_value32(stream, bell + offsetof(Bell, done), c->id, kWaitEq);
-    r |= cu.write_value32(stream, bell + offsetof(Bell, done), 0, kWriteDefault);
-  } else {
-    r |= cu.launch_host_func(stream, HostCallback, c);
+  if (halves & kStart) {
+    r |= cu.memcpy_async(dev(c->x), dev(packed), Offsets(rec, n).total, stream);  // c->x: the staging's start
+    if (doorbell)
+      r |= cu.write_value32(stream, bell + offsetof(Bell, ring), c->id, kWriteDefault);
+    else
+      r |= cu.launch_host_func(stream, HostCallback, c);
   }
-  r |= cu.memcpy_async(dev(out), dev(c->out), act, stream);
+  if (halves & kFinish) {
+    if (doorbell) {
+      r |= cu.wait_value32(stream, bell + offsetof(Bell, done), c->id, kWaitEq);
+      r |= cu.write_value32(stream, bell + offsetof(Bell, done), 0, kWriteDefault);
+    }
+    r |= cu.memcpy_async(dev(out), dev(c->out), act, stream);
+  }
   if (r != 0) return ffi::Error::Internal("bloomery host bridge: a CUDA driver call failed");
   return ffi::Error::Success();
 }
@@ -426,6 +440,47 @@ ffi::Error HostMoeCuda(CUstream stream, int32_t ordinal, int64_t slot, ffi::AnyB
   return Enqueue(stream, ordinal, checked->first, packed.untyped_data(), out->untyped_data(), checked->second);
 }
 
+// The start half: `started` (f32 [n, D]) is the output the finish half reads. On the CPU the
+// whole call runs here, into it; on CUDA it is left as it is and the host's answer waits in the
+// staging.
+ffi::Error HostMoeStartCuda(CUstream stream, int32_t ordinal, int64_t slot, ffi::AnyBuffer packed,
+                            ffi::Result<ffi::AnyBuffer> started) {
+  auto checked = Checked(slot, packed, started);
+  if (checked.has_error()) return checked.error();
+  return Enqueue(stream, ordinal, checked->first, packed.untyped_data(), nullptr, checked->second, kStart);
+}
+
+// The finish half's record and token count: `started` and `out` are both f32 [n, D]. `after`
+// (any buffer) is only an operand, so that the step orders the finish after the work it made it.
+ffi::ErrorOr<std::pair<int64_t*, int64_t>> CheckedFinish(int64_t slot, const ffi::AnyBuffer& started,
+                                                         const ffi::Result<ffi::AnyBuffer>& out) {
+  int64_t* rec = Record(slot);
+  if (rec == nullptr)
+    return ffi::Error::InvalidArgument("bloomery host bridge: slot " + std::to_string(slot) +
+                                       " has no layer record (its bridge was freed?)");
+  auto sd = started.dimensions(), od = out->dimensions();
+  if (started.element_type() != ffi::F32 || out->element_type() != ffi::F32 || sd.size() != 2 || od.size() != 2 ||
+      sd[0] != od[0] || sd[1] != rec[kD] || od[1] != rec[kD])
+    return ffi::Error::InvalidArgument("bloomery host bridge: the finish wants the start's f32 [n, D] and gives the same");
+  return std::make_pair(rec, static_cast<int64_t>(od[0]));
+}
+
+ffi::Error HostMoeFinishCpu(int64_t slot, ffi::AnyBuffer started, ffi::AnyBuffer after,
+                            ffi::Result<ffi::AnyBuffer> out) {
+  auto checked = CheckedFinish(slot, started, out);
+  if (checked.has_error()) return checked.error();
+  if (out->untyped_data() != started.untyped_data())
+    std::memcpy(out->untyped_data(), started.untyped_data(), out->size_bytes());
+  return ffi::Error::Success();
+}
+
+ffi::Error HostMoeFinishCuda(CUstream stream, int32_t ordinal, int64_t slot, ffi::AnyBuffer started,
+                             ffi::AnyBuffer after, ffi::Result<ffi::AnyBuffer> out) {
+  auto checked = CheckedFinish(slot, started, out);
+  if (checked.has_error()) return checked.error();
+  return Enqueue(stream, ordinal, checked->first, nullptr, out->untyped_data(), checked->second, kFinish);
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BloomeryHostMoeCpu, HostMoeCpu,
@@ -436,6 +491,32 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BloomeryHostMoeCuda, HostMoeCuda,
                                   .Ctx<ffi::PlatformStream<CUstream>>()
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Attr<int64_t>("slot")
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>(),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BloomeryHostMoeStartCuda, HostMoeStartCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<CUstream>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Attr<int64_t>("slot")
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>(),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BloomeryHostMoeFinishCpu, HostMoeFinishCpu,
+                              ffi::Ffi::Bind()
+                                  .Attr<int64_t>("slot")
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BloomeryHostMoeFinishCuda, HostMoeFinishCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<CUstream>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Attr<int64_t>("slot")
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>(),
                               {ffi::Traits::kCmdBufferCompatible});
@@ -464,10 +545,11 @@ int bloomery_ffi_set_record(int64_t slot, int64_t* record) {
 
 // For tests on machines without a GPU: the CUDA path's queue of work (Enqueue) for slot's record
 // on a null stream of device 0, with whatever libcuda.so.1 the process has loaded (tests load a stand-in that
-// runs every call at once), the four inputs packed here as the step packs them. 0 on success,
-// else 1 with the message in `error`.
+// runs every call at once), the four inputs packed here as the step packs them; `halves` as
+// Enqueue's (1 the start, 2 the finish, 3 the whole call). 0 on success, else 1 with the message
+// in `error`.
 int bloomery_ffi_test_enqueue(int64_t slot, const void* x, const void* experts, const void* weights,
-                              const void* on_host, void* out, int64_t n, char* error, size_t error_len) {
+                              const void* on_host, void* out, int64_t n, int halves, char* error, size_t error_len) {
   int64_t* rec = Record(slot);
   ffi::Error e = ffi::Error::InvalidArgument("no record");
   if (rec != nullptr) {
@@ -477,7 +559,8 @@ int bloomery_ffi_test_enqueue(int64_t slot, const void* x, const void* experts, 
     std::memcpy(packed.data() + off.experts, experts, off.weights - off.experts);
     std::memcpy(packed.data() + off.weights, weights, off.on_host - off.weights);
     std::memcpy(packed.data() + off.on_host, on_host, off.total - off.on_host);
-    e = Enqueue(nullptr, 0, rec, packed.data(), out, n);
+    e = Enqueue(nullptr, 0, rec, halves & kStart ? packed.data() : nullptr, halves & kFinish ? out : nullptr, n,
+                halves);
   }
   if (e.success()) return 0;
   snprintf(error, error_len, "%s", e.message().c_str());

@@ -172,7 +172,9 @@ def placed_moe_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate
 
     Card experts run on their slots of the layer's card buffers (``gate``/``up``/``down`` hold
     ``n_slots`` experts); host experts go through ``placement.host`` in one call for the layer,
-    made only when a pair of the step has its expert on the host.
+    made only when a pair of the step has its expert on the host. A bridge that overlaps
+    (``overlap``) makes that call in two halves around the card's experts, which then run while
+    the host works.
     The card part gives host pairs weight 0 (their slot index is clamped to 0), so shapes never
     depend on the placement.
 
@@ -212,6 +214,14 @@ def placed_moe_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate
     else:
         card_slots, card_weights = card
     out = jnp.zeros(x.shape, jnp.float32)
+    if host is not None and host.overlap and gate.shape[0]:
+        on_host = slot_of < 0  # [E]
+        started = host.moe_start(layer, x, experts, weights, on_host)
+        # The barrier makes the card's input wait for the start, and the finish takes the card's
+        # output, so the card's experts are queued between the halves and run while the host works.
+        started, card_x = jax.lax.optimization_barrier((started, card_x))
+        out = moe_swiglu(card_x, card_slots, card_weights, gate, up, down, act_rounding, precision, card_norm)
+        return out + host.moe_finish(layer, started, out)
     if gate.shape[0]:  # the layer has card slots
         out = moe_swiglu(card_x, card_slots, card_weights, gate, up, down, act_rounding, precision, card_norm)
     if host is not None:
