@@ -217,7 +217,8 @@ def run(argv: list[str] | None = None, out=None, err=None) -> list[dict]:
         for r in recs:
             r.update(model=str(model.path), architecture=model.gguf.architecture, model_bytes=size,
                      ubatch=args.ubatch, kv_dtype=args.kv_dtype, kernels=kernels, attention=model.attention,
-                     bridge=bridge, host_signal=signal, host_pages=pages, host_overlap=overlap, routing=model.routing, weights=args.weights,
+                     bridge=bridge, host_signal=signal, host_pages=pages, host_overlap=overlap, routing=model.routing,
+                     weights=args.weights,
                      decode_block=args.decode_block, lookahead=args.lookahead, reps=args.reps, load_s=load_s,
                      compile_s=compile_s, witness=witness)
             if args.json:  # as each finishes: a run cut short still leaves what it measured

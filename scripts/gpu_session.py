@@ -234,7 +234,7 @@ def stage_host(args) -> None:
     # under each work-item layout (rows per item : software prefetch rows ahead)
     threads = str(max(1, (os.cpu_count() or 3) - 2))
     host = ["--weights", "q4_k_m", "--acts", "q8", "--tokens", "1,8", "--threads", threads,
-            "--layouts", os.environ.get("HOST_LAYOUTS", "0:0,0:2,16:0,64:0"),
+            "--layouts", os.environ.get("HOST_LAYOUTS", "0:2,0:4,64:0,64:2"),
             "--memory", os.environ.get("HOST_MEMORY", "numpy,huge")]
     if args.tiny:
         host += ["--reps", "3", "--d", "256", "--f", "256", "--experts", "16"]

@@ -4,9 +4,10 @@ Contract. ``host_moe_swiglu(x, experts, weights, on_host, layer)`` returns float
 for each token n, the sum over j with ``on_host[experts[n, j]]`` of
 ``weights[n, j] * down_e(silu(gate_e(x_n)) * up_e(x_n))`` (e = experts[n, j]); a token with no
 host pair gets exact zeros. The weights are never dequantized as a whole, inside one Numba
-call, in two parallel phases: gate+up → hidden vector per (token, expert) pair, over (expert,
-block of F rows) items; then down and the weighted sum, over blocks of D rows of the output (all
-experts in each). An expert with few tokens (decode) has each (row, token) dot read the row's
+call, in two parallel phases: gate+up → hidden vector per (token, expert) pair, over ranges of
+the (expert, row of F) space; then down and the weighted sum, over ranges of D rows of the
+output (all experts in each). By default each thread takes one range a phase, cut where the
+estimated cost is even (``ROWS_PER_ITEM``). An expert with few tokens (decode) has each (row, token) dot read the row's
 blocks itself; one with at least ``multi_min`` tokens (prefill) decodes each row once into a
 small buffer (``blocks.decode_row``: int16 scale × quant, or float32 values) and dots that with
 all its tokens, four at a time (``blocks.mdot``). Every output element and every dot product
