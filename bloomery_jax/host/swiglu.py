@@ -113,6 +113,8 @@ PREFETCH_ROWS = int(os.environ.get("BLOOMERY_HOST_PREFETCH", "2"))
 SERIAL_PREP_MAX = 16384
 # Work items a thread takes at a time (see host_moe_swiglu): 0, Numba's default, splits them
 # statically. A speed setting only; BLOOMERY_HOST_CHUNKSIZE sets the default (both bridges).
+# Dynamic chunks only make sense with fixed blocks (BLOOMERY_HOST_ROWS > 0): with one share a
+# thread there are as many items as threads, and chunks of c leave all but 1/c of them idle.
 CHUNKSIZE = int(os.environ.get("BLOOMERY_HOST_CHUNKSIZE", "0"))
 # An expert with at least this many tokens decodes each row once for all of them (see
 # host_moe_swiglu); Q8_0 rows against Q8_0 activations are cheap to dot straight from the
