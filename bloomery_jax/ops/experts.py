@@ -214,8 +214,8 @@ def placed_moe_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate
     else:
         card_slots, card_weights = card
     out = jnp.zeros(x.shape, jnp.float32)
+    on_host = slot_of < 0  # [E]
     if host is not None and host.overlap and gate.shape[0]:
-        on_host = slot_of < 0  # [E]
         started = host.moe_start(layer, x, experts, weights, on_host)
         # The barrier makes the card's input wait for the start, and the finish takes the card's
         # output, so the card's experts are queued between the halves and run while the host works.
@@ -225,7 +225,6 @@ def placed_moe_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate
     if gate.shape[0]:  # the layer has card slots
         out = moe_swiglu(card_x, card_slots, card_weights, gate, up, down, act_rounding, precision, card_norm)
     if host is not None:
-        on_host = slot_of < 0  # [E]
         if host.skip_empty_calls:
             # a step whose pairs are all on the card skips the round trip (~200 us on the H200);
             # the branch costs a predicate read, which the callback would have synchronised anyway
