@@ -433,21 +433,16 @@ ffi::Error StreamCuda(CUstream stream, int64_t slot, int64_t role, ffi::Result<f
   return ffi::Error::Success();
 }
 
+// A call on its packed inputs: the whole call (kWhole), or its start half (kStart). The start's
+// output (f32 [n, D]) is what the finish half reads: on the CPU the whole call runs into it (the
+// start target takes HostMoeCpu); on CUDA it is left as it is and the answer waits in the staging.
+template <int kHalves>
 ffi::Error HostMoeCuda(CUstream stream, int32_t ordinal, int64_t slot, ffi::AnyBuffer packed,
                        ffi::Result<ffi::AnyBuffer> out) {
   auto checked = Checked(slot, packed, out);
   if (checked.has_error()) return checked.error();
-  return Enqueue(stream, ordinal, checked->first, packed.untyped_data(), out->untyped_data(), checked->second);
-}
-
-// The start half: `started` (f32 [n, D]) is the output the finish half reads. On the CPU the
-// whole call runs here, into it; on CUDA it is left as it is and the host's answer waits in the
-// staging.
-ffi::Error HostMoeStartCuda(CUstream stream, int32_t ordinal, int64_t slot, ffi::AnyBuffer packed,
-                            ffi::Result<ffi::AnyBuffer> started) {
-  auto checked = Checked(slot, packed, started);
-  if (checked.has_error()) return checked.error();
-  return Enqueue(stream, ordinal, checked->first, packed.untyped_data(), nullptr, checked->second, kStart);
+  return Enqueue(stream, ordinal, checked->first, packed.untyped_data(),
+                 (kHalves & kFinish) ? out->untyped_data() : nullptr, checked->second, kHalves);
 }
 
 // The finish half's record and token count: `started` and `out` are both f32 [n, D]. `after`
@@ -486,22 +481,22 @@ ffi::Error HostMoeFinishCuda(CUstream stream, int32_t ordinal, int64_t slot, ffi
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BloomeryHostMoeCpu, HostMoeCpu,
                               ffi::Ffi::Bind().Attr<int64_t>("slot").Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(BloomeryHostMoeCuda, HostMoeCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<CUstream>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Attr<int64_t>("slot")
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>(),
+namespace {
+// The CUDA binding of a call on packed inputs (the whole call and its start half).
+auto PackedCudaBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<CUstream>>()
+      .Ctx<ffi::DeviceOrdinal>()
+      .Attr<int64_t>("slot")
+      .Arg<ffi::AnyBuffer>()
+      .Ret<ffi::AnyBuffer>();
+}
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BloomeryHostMoeCuda, HostMoeCuda<kWhole>, PackedCudaBinding(),
                               {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(BloomeryHostMoeStartCuda, HostMoeStartCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<CUstream>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Attr<int64_t>("slot")
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>(),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BloomeryHostMoeStartCuda, HostMoeCuda<kStart>, PackedCudaBinding(),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BloomeryHostMoeFinishCpu, HostMoeFinishCpu,
