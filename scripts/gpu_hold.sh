@@ -23,15 +23,19 @@
 #   overlap the quarter budget (static, lfu-stream) with the mixed layers' host calls whole and
 #           in two halves around their card experts (BLOOMERY_FFI_OVERLAP=0 / 1), llama-bench -ncmoe 36
 #           (the eighteenth session replaced `hostab`, answered in the seventeenth: the defaults won)
+#   link    can the link carry some of a decode layer's host experts while the host computes the rest
+#           (scripts/link_probe.py: copies from pinned memory alone, beside the host kernels, and split
+#           layer calls), then the host kernel layouts and the bridges (gpu_session.py host) on the
+#           engine's pinned small pages
 #   prefill the card bench with the prefill products on quant tiles with x in one bf16 part (pallas-bf16,
 #           the default since the sixteenth session, unmeasured end to end) and in two (pallas-qtiles,
 #           the sixteenth session's side-by-side), with time left pallas-q8 and the 8-layer pp512 profile
 #
 #   order: side (it starts the builds itself), overlap at once after it (the build and the file
-#           stay in /tmp on a warm machine), then trace or hybrid if device time is left (about 5-10
+#           stay in /tmp on a warm machine), then link, then trace or hybrid if device time is left (about 5-10
 #           minutes each; every bench launches decode blocks ahead, bench --no-lookahead not)
 #
-#   run: bash scripts/gpu_hold.sh trace|side|prefill|overlap|hybrid   (ATTN=0 skips the attention bench,
+#   run: bash scripts/gpu_hold.sh trace|side|prefill|overlap|hybrid|link   (ATTN=0 skips the attention bench,
 #        LKB=0 the launch-config sweep, so that the committed tables are what runs; QPROF=1
 #        adds the quarter profile; HOST_LAYOUTS narrows gpu_session's host sweep)
 set -u
@@ -93,6 +97,12 @@ overlap)
       --signal doorbell bench --only quarter-static,quarter-lfu-stream
     python3 scripts/gpu_session.py --out $RES/$v compare
   done
+  ;;
+link)
+  PYTHONPATH=$PYTHONPATH:scripts timeout 200 python3 scripts/link_probe.py --reps 30 --json $RES/link_probe.json \
+    > $RES/link_probe.txt 2>&1; echo "link probe: rc $?"; tail -c 2500 $RES/link_probe.txt
+  HOST_LAYOUTS=${HOST_LAYOUTS:-0:2,0:4,0:8,64:2} HOST_MEMORY=${HOST_MEMORY:-small} timeout 240 \
+    python3 scripts/gpu_session.py --out $RES host
   ;;
 prefill)
   # the card bench with the prefill products on quant tiles with x in one bf16 part (pallas-bf16, the
