@@ -15,13 +15,15 @@
 #           and the GEMM at 1 and 8 tokens: the GEMV won both, benchmarks/gpu_2026-12-05-s16.)
 #   side    llama-bench all on the card and -ncmoe 36, our card bench (block 8), our
 #           n-cpu-moe=36 bench over the FFI bridge: doorbell signal (HUGE=1: again with the host
-#           experts on huge pages), then (time left) the hostfunc signal; ratios
+#           experts on huge pages), then (time left) with the host kernels in one parallel
+#           region (BLOOMERY_HOST_REGIONS=1); ratios
 #   hybrid  host kernel layouts and the three bridges (gpu_session.py host), llama-bench -ncmoe 36,
 #           quarter budget static and lfu-stream over the FFI bridge with $SIGNAL (default
 #           doorbell), ratios; with QPROF=1
 #           and time left, the quarter-static decode profile (8 layers)
 #   overlap the quarter budget (static, lfu-stream) with the mixed layers' host calls whole and
-#           in two halves around their card experts (BLOOMERY_FFI_OVERLAP=0 / 1), llama-bench -ncmoe 36
+#           in two halves around their card experts (BLOOMERY_FFI_OVERLAP=0 / 1), then the halves
+#           with the OpenMP workers spinning 1M times (time left), llama-bench -ncmoe 36
 #           (the eighteenth session replaced `hostab`, answered in the seventeenth: the defaults won)
 #   link    can the link carry some of a decode layer's host experts while the host computes the rest
 #           (scripts/link_probe.py: copies from pinned memory alone, beside the host kernels, and split
@@ -71,8 +73,13 @@ side)
   python3 scripts/gpu_session.py --out $RES llamacpp --only card,ncmoe36
   $B --bridge ffi --signal doorbell bench --only ncmoe36
   [ "${HUGE:-0}" = 1 ] && $B --bridge ffi --signal doorbell --pages huge bench --only ncmoe36  # refuted on the H100 (s14)
-  [ $SECONDS -lt 450 ] && $B --bridge ffi --signal hostfunc bench --only ncmoe36
   python3 scripts/gpu_session.py --out $RES compare
+  # the host kernels in one parallel region with shared counters (the nineteenth session's A/B)
+  if [ $SECONDS -lt 460 ]; then
+    mkdir -p $RES/regions1 && cp $RES/llamacpp.json $RES/regions1/
+    BLOOMERY_HOST_REGIONS=1 ${B/--out $RES/--out $RES/regions1} --bridge ffi --signal doorbell bench --only ncmoe36
+    python3 scripts/gpu_session.py --out $RES/regions1 compare
+  fi
   ;;
 hybrid)
   timeout 200 python3 scripts/gpu_session.py --out $RES host
@@ -90,11 +97,14 @@ overlap)
   # experts (BLOOMERY_FFI_OVERLAP, the doorbell), each beside llama.cpp -ncmoe 36 from this call
   bash scripts/await_builds.sh 240 || exit 1
   python3 scripts/gpu_session.py --out $RES llamacpp --only ncmoe36
-  for v in whole halves; do
-    [ $SECONDS -gt 400 ] && { echo "$v: skipped, the call's time is nearly spent"; continue; }
+  # halves-spin1M: the halves with the OpenMP workers spinning 1,000,000 times instead of 10,000
+  # (host_call_probe.py, nineteenth session: an empty region 9 us against 899 on one host)
+  for v in ${OVERLAP_VARIANTS:-whole halves halves-spin1M}; do
+    [ $SECONDS -gt 420 ] && { echo "$v: skipped, the call's time is nearly spent"; continue; }
     mkdir -p $RES/$v && cp $RES/llamacpp.json $RES/$v/
-    BLOOMERY_FFI_OVERLAP=$([ $v = halves ] && echo 1 || echo 0) ${B/--out $RES/--out $RES/$v} --bridge ffi \
-      --signal doorbell bench --only quarter-static,quarter-lfu-stream
+    spin=$([ $v = halves-spin1M ] && echo 1000000 || echo 10000)
+    GOMP_SPINCOUNT=$spin BLOOMERY_FFI_OVERLAP=$([ $v = whole ] && echo 0 || echo 1) ${B/--out $RES/--out $RES/$v} \
+      --bridge ffi --signal doorbell bench --only quarter-static,quarter-lfu-stream
     python3 scripts/gpu_session.py --out $RES/$v compare
   done
   ;;

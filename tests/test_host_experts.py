@@ -13,6 +13,7 @@ quant (by 8-28x here); typical errors are 1e-4 to 1e-3 of it (it is a worst case
 
 from __future__ import annotations
 
+import itertools
 import zlib
 
 import jax.numpy as jnp
@@ -418,24 +419,69 @@ def test_prefetch_changes_no_bit(name):
 @pytest.mark.parametrize("name", ["Q4_K_M", "Q8_0_tail"])
 def test_work_item_layout_changes_no_bit(name):
     """One cost-balanced share of the rows a thread (rows_per_item 0, the default; shares cross
-    experts) and fixed blocks within an expert give the same output bit for bit, on the one-token
-    path and the decoded-row path, at one thread and at all of them."""
+    experts) and fixed blocks within an expert, in two parallel regions or in one with shared
+    counters, give the same output bit for bit, on the one-token path and the decoded-row path,
+    at one thread and at all of them."""
     layer = _layer(name)
     x, experts, weights = _shared_routing(np.random.default_rng(11), 12, 3)
     on_host = np.ones(E, bool)
     on_host[experts[0, 1]] = False
     before = numba.get_num_threads()
     for multi_min in (1000, 2):
-        blocks = host_moe_swiglu(x, experts, weights, on_host, layer, multi_min=multi_min, rows_per_item=5)
+        blocks = host_moe_swiglu(x, experts, weights, on_host, layer, multi_min=multi_min, rows_per_item=5,
+                                 regions=2)
         assert blocks.any()
         for threads in (1, before):
             try:
                 numba.set_num_threads(threads)
-                for rows in (0, 16):
-                    y = host_moe_swiglu(x, experts, weights, on_host, layer, multi_min=multi_min, rows_per_item=rows)
+                for rows, regions in itertools.product((0, 5, 16), (1, 2)):
+                    y = host_moe_swiglu(x, experts, weights, on_host, layer, multi_min=multi_min, rows_per_item=rows,
+                                        regions=regions)
                     np.testing.assert_array_equal(y, blocks)
             finally:
                 numba.set_num_threads(before)
+
+
+_ONE_REGION_CHECK = """
+import numpy as np, numba
+from tests.test_host_experts import _layer, _routing, host_moe_swiglu
+assert numba.get_num_threads() == 6
+layer = _layer("Q4_K_M")
+rng = np.random.default_rng(13)
+for n in (1, 1, 2, 5, 12):
+    x, experts, weights = _routing(rng, n, 3)
+    on_host = rng.random(8) < 0.7
+    for rows in (0, 1, 7):
+        two = host_moe_swiglu(x, experts, weights, on_host, layer, rows_per_item=rows, regions=2)
+        for _ in range(3):
+            one = host_moe_swiglu(x, experts, weights, on_host, layer, rows_per_item=rows, regions=1)
+            assert np.array_equal(one, two), (n, rows)
+print("ok")
+"""
+
+
+def test_one_region_with_more_threads_than_cores():
+    """One parallel region whose threads take items from shared counters and wait for the
+    previous phase's items: with 6 Numba threads (more than CI's cores, so threads are descheduled
+    while others wait on them), the same bits as two regions, call after call, for one to twelve
+    tokens and items of 1 row to one share a thread; a wait that let a thread run ahead would
+    read hidden rows not yet written, and a wait on threads rather than items could hang."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, NUMBA_NUM_THREADS="6")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", _ONE_REGION_CHECK], env=env, cwd=root, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def test_regions_setting_is_checked():
+    layer = _layer("Q8_0")
+    x, experts, weights = _routing(np.random.default_rng(14), 1, 2)
+    with pytest.raises(ValueError, match="regions must be 1 or 2"):
+        host_moe_swiglu(x, experts, weights, np.ones(E, bool), layer, regions=3)
 
 
 def test_phase1_shares_cover_the_rows_at_even_cost():

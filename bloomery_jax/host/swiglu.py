@@ -90,6 +90,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from numba import njit, prange
 
+from . import atomics
 from . import blocks as B
 from .simd import prefetch
 
@@ -107,6 +108,13 @@ ROWS_PER_ITEM = int(os.environ.get("BLOOMERY_HOST_ROWS", "0"))
 # 16-core host: 54.0 against 48.1 tok/s, 0.416 against 0.484 ms a layer call; shares without
 # the hint 48.2 (benchmarks/gpu_2026-12-05-s18, hostB).
 PREFETCH_ROWS = int(os.environ.get("BLOOMERY_HOST_PREFETCH", "2"))
+# Parallel regions a layer call runs: 2, gate/up then down, each a fork and a join of the workers
+# (~9 us with 14 spinning workers on the H100's host, scripts/host_call_probe.py); 1, one region
+# whose threads take items from shared counters and wait for the previous phase's items
+# (atomics). The same dots in the same order either way. BLOOMERY_HOST_REGIONS sets the default.
+REGIONS = int(os.environ.get("BLOOMERY_HOST_REGIONS", "2"))
+if REGIONS not in (1, 2):
+    raise ValueError(f"BLOOMERY_HOST_REGIONS must be 1 or 2, got {REGIONS}")
 # Activation rows with fewer elements than this are prepared (rounded to 8 bits, summed) on the
 # calling thread: a decode call's 1 x 2048 inputs and 8 x 768 hidden rows take microseconds,
 # less than a parallel region's fork and join (and than waking the workers, where they sleep).
@@ -231,7 +239,8 @@ class HostExpertLayer:
 def host_moe_swiglu(x: np.ndarray, experts: np.ndarray, weights: np.ndarray, on_host: np.ndarray,
                     layer: HostExpertLayer, *, act: str | None = None,
                     rows_per_item: int = ROWS_PER_ITEM, chunksize: int = CHUNKSIZE,
-                    multi_min: int | None = None, prefetch_rows: int = PREFETCH_ROWS) -> np.ndarray:
+                    multi_min: int | None = None, prefetch_rows: int = PREFETCH_ROWS,
+                    regions: int = REGIONS) -> np.ndarray:
     """Weighted SwiGLU sum of the (token, expert) pairs whose expert is on the host.
 
     Args:
@@ -253,6 +262,8 @@ def host_moe_swiglu(x: np.ndarray, experts: np.ndarray, weights: np.ndarray, on_
         multi-token path everywhere.
       prefetch_rows: while dotting a row, ask the cache for the row this many ahead in the same
         work item (0: no software prefetch). Never changes a result.
+      regions: 1, one parallel region with work taken from shared counters; 2, one a phase
+        (``REGIONS``). Never changes a result.
     Returns:
       float32 ``[N, D]``.
     """
@@ -278,7 +289,8 @@ def host_moe_swiglu(x: np.ndarray, experts: np.ndarray, weights: np.ndarray, on_
     try:
         return _moe_kernel(out, x, experts, weights, on_host, layer.gate.raw, layer.up.raw, layer.down.raw,
                            *s.formats, s.q8, _TAB16, _TABBF, max(0, int(rows_per_item)),
-                           numba.get_num_threads(), s.mmin1, s.mmin2, max(0, int(prefetch_rows)))
+                           numba.get_num_threads(), s.mmin1, s.mmin2, max(0, int(prefetch_rows)),
+                           _regions(regions))
     finally:
         numba.set_parallel_chunksize(before)
 
@@ -306,6 +318,12 @@ def kernel_settings(layer: HostExpertLayer, act: str | None = None, multi_min: i
     else:
         mmin1 = mmin2 = max(1, int(multi_min))
     return KernelSettings(fmts, act == "q8", mmin1, mmin2)
+
+
+def _regions(regions: int) -> int:
+    if regions not in (1, 2):  # 1 or 2 as asked: any other value is a mistake, not a setting
+        raise ValueError(f"host_moe_swiglu: regions must be 1 or 2, got {regions!r}")
+    return int(regions)
 
 
 def _readonly(a: np.ndarray) -> np.ndarray:
@@ -434,9 +452,92 @@ def _phase1_items(start, gexp, F, rpi, nthreads, mmin):
     return bounds
 
 
+@njit(inline="always", nogil=True)
+def _gate_up_item(q0, q1, gexp, start, pair_tok, x, H, gw, uw, gfmt, ufmt, q8, ka, kb, XS, XQK, XDK, XBK, XQ8, X16,
+                  XQ0, XD0, tab16, tabbf, mmin1, maxc, pf):
+    """Phase 1 on the flat rows ``[q0, q1)`` (q = g * F + f: group g's expert, row f), walked as
+    one segment per expert: H[p, f] = silu(gate_e[f] . x_t) * (up_e[f] . x_t)."""
+    D, F = x.shape[1], gw.shape[1]
+    wq, wsc, wm, wdm, wf = _row_buffers(D if maxc >= mmin1 else 0)
+    ga = np.empty(maxc, np.float32)
+    ub = np.empty(maxc, np.float32)
+    q = q0
+    while q < q1:
+        g = q // F
+        e = gexp[g]
+        r0 = q - g * F
+        r1 = min(F, r0 + (q1 - q))
+        q += r1 - r0
+        p0, p1 = start[e], start[e + 1]
+        if p1 - p0 < mmin1:  # few tokens: each (row, token) dot reads the row's blocks itself
+            for r in range(r0, r1):
+                _ahead(gw, e, r, pf, r1)
+                _ahead(uw, e, r, pf, r1)
+                grow = gw[e, r]
+                urow = uw[e, r]
+                for p in range(p0, p1):
+                    t = pair_tok[p]
+                    a = _row_dot(gfmt, q8, grow, t, x, XS, XQK, XDK, XBK, XQ8, X16, XQ0, XD0, tab16, tabbf)
+                    b = _row_dot(ufmt, q8, urow, t, x, XS, XQK, XDK, XBK, XQ8, X16, XQ0, XD0, tab16, tabbf)
+                    H[p, r] = a / (np.float32(1.0) + np.exp(-a)) * b
+        else:  # several tokens: decode each row once, then dot it with every token
+            ids = pair_tok[p0:p1]
+            for r in range(r0, r1):
+                _ahead(gw, e, r, pf, r1)
+                _ahead(uw, e, r, pf, r1)
+                B.decode_row(gfmt, ka, gw[e, r], wq, wsc, wm, wdm, wf, tab16, tabbf)
+                B.mdot(gfmt, ka, wq, wsc, wm, wdm, wf, ids, x, XQK, XDK, XBK, XQ0, XD0, ga)
+                B.decode_row(ufmt, kb, uw[e, r], wq, wsc, wm, wdm, wf, tab16, tabbf)
+                B.mdot(ufmt, kb, wq, wsc, wm, wdm, wf, ids, x, XQK, XDK, XBK, XQ0, XD0, ub)
+                for i in range(p1 - p0):
+                    a = ga[i]
+                    H[p0 + i, r] = a / (np.float32(1.0) + np.exp(-a)) * ub[i]
+
+
+@njit(inline="always", nogil=True)
+def _down_item(r0, r1, gexp, start, pids, pair_tok, pair_w, H, dw, dfmt, q8, kd, HS, HQK, HDK, HBK, HQ8, H16, HQ0,
+               HD0, tab16, tabbf, mmin2, maxc, pf, out):
+    """Phase 2 on output columns ``[r0, r1)`` for every expert in ascending order: out[t, d] +=
+    w_p (down_e[d] . H[p])."""
+    wq, wsc, wm, wdm, wf = _row_buffers(H.shape[1] if maxc >= mmin2 else 0)
+    res = np.empty(maxc, np.float32)
+    for g in range(gexp.shape[0]):
+        e = gexp[g]
+        p0, p1 = start[e], start[e + 1]
+        if p1 - p0 < mmin2:
+            for r in range(r0, r1):
+                _ahead(dw, e, r, pf, r1)
+                drow = dw[e, r]
+                for p in range(p0, p1):
+                    y = _row_dot(dfmt, q8, drow, p, H, HS, HQK, HDK, HBK, HQ8, H16, HQ0, HD0, tab16, tabbf)
+                    out[pair_tok[p], r] += pair_w[p] * y
+        else:
+            ids = pids[p0:p1]
+            for r in range(r0, r1):
+                _ahead(dw, e, r, pf, r1)
+                B.decode_row(dfmt, kd, dw[e, r], wq, wsc, wm, wdm, wf, tab16, tabbf)
+                B.mdot(dfmt, kd, wq, wsc, wm, wdm, wf, ids, H, HQK, HDK, HBK, HQ0, HD0, res)
+                for i in range(p1 - p0):
+                    out[pair_tok[p0 + i], r] += pair_w[p0 + i] * res[i]
+
+
+@njit(inline="always", nogil=True)
+def _take(counter, i, n):
+    """The next of ``n`` items from the shared ``counter[i]``, or -1 once all are taken."""
+    it = atomics.fetch_add(counter, i, 1)
+    return it if it < n else -1
+
+
+@njit(inline="always", nogil=True)
+def _await(counter, i, n):
+    """Spin until ``counter[i]`` (items finished) reaches ``n``."""
+    while atomics.load(counter, i) < n:
+        atomics.pause()
+
+
 @njit(parallel=True, fastmath=True, cache=True, nogil=True)
 def _moe_kernel(out, x, experts, weights, on_host, gw, uw, dw, gfmt, ufmt, dfmt, q8, tab16, tabbf, rpi, nthreads,
-                mmin1, mmin2, pf):
+                mmin1, mmin2, pf, regions):
     # writes float32 out [N, D] (also returned)
     N, D = x.shape
     k = experts.shape[1]
@@ -480,7 +581,6 @@ def _moe_kernel(out, x, experts, weights, on_host, gw, uw, dw, gfmt, ufmt, dfmt,
             gexp[g] = e
             g += 1
 
-    # Phase 1: H[p, f] = silu(gate_e[f] · x_t) * (up_e[f] · x_t), items (expert, block of F rows).
     XS, XQK, XDK, XBK, XQ8, X16, XQ0, XD0 = _act_buffers(N, D)
     ka, kb = _kind(gfmt, q8), _kind(ufmt, q8)
     if N * D >= SERIAL_PREP_MAX:
@@ -490,83 +590,58 @@ def _moe_kernel(out, x, experts, weights, on_host, gw, uw, dw, gfmt, ufmt, dfmt,
         for n in range(N):
             _prepare_row(x, n, ka, kb, XS, XQK, XDK, XBK, XQ8, X16, XQ0, XD0)
     H = np.empty((P, F), np.float32)
-    # Items are ranges of the flat row space q = g * F + f (group g's expert, row f); a range may
-    # span experts, and is walked as one segment per expert.
-    bounds = _phase1_items(start, gexp, F, rpi, nthreads, mmin1)
-    for it in prange(bounds.shape[0] - 1):
-        q0, q1 = bounds[it], bounds[it + 1]
-        wq, wsc, wm, wdm, wf = _row_buffers(D if maxc >= mmin1 else 0)
-        ga = np.empty(maxc, np.float32)
-        ub = np.empty(maxc, np.float32)
-        q = q0
-        while q < q1:
-            g = q // F
-            e = gexp[g]
-            r0 = q - g * F
-            r1 = min(F, r0 + (q1 - q))
-            q += r1 - r0
-            p0, p1 = start[e], start[e + 1]
-            if p1 - p0 < mmin1:  # few tokens: each (row, token) dot reads the row's blocks itself
-                for r in range(r0, r1):
-                    _ahead(gw, e, r, pf, r1)
-                    _ahead(uw, e, r, pf, r1)
-                    grow = gw[e, r]
-                    urow = uw[e, r]
-                    for p in range(p0, p1):
-                        t = pair_tok[p]
-                        a = _row_dot(gfmt, q8, grow, t, x, XS, XQK, XDK, XBK, XQ8, X16, XQ0, XD0, tab16, tabbf)
-                        b = _row_dot(ufmt, q8, urow, t, x, XS, XQK, XDK, XBK, XQ8, X16, XQ0, XD0, tab16, tabbf)
-                        H[p, r] = a / (np.float32(1.0) + np.exp(-a)) * b
-            else:  # several tokens: decode each row once, then dot it with every token
-                ids = pair_tok[p0:p1]
-                for r in range(r0, r1):
-                    _ahead(gw, e, r, pf, r1)
-                    _ahead(uw, e, r, pf, r1)
-                    B.decode_row(gfmt, ka, gw[e, r], wq, wsc, wm, wdm, wf, tab16, tabbf)
-                    B.mdot(gfmt, ka, wq, wsc, wm, wdm, wf, ids, x, XQK, XDK, XBK, XQ0, XD0, ga)
-                    B.decode_row(ufmt, kb, uw[e, r], wq, wsc, wm, wdm, wf, tab16, tabbf)
-                    B.mdot(ufmt, kb, wq, wsc, wm, wdm, wf, ids, x, XQK, XDK, XBK, XQ0, XD0, ub)
-                    for i in range(p1 - p0):
-                        a = ga[i]
-                        H[p0 + i, r] = a / (np.float32(1.0) + np.exp(-a)) * ub[i]
-
-    # Phase 2: out[t, d] += w_p (down_e[d] · H[p]), items = blocks of D rows across all experts:
-    # an item owns those columns of out for every token, so no element has two writers, and each
-    # is summed in ascending expert order whatever the thread count. (No [P, D] buffer either.)
     HS, HQK, HDK, HBK, HQ8, H16, HQ0, HD0 = _act_buffers(P, F)
     kd = _kind(dfmt, q8)
+    # Phase 1 items are ranges of the flat row space (_phase1_items); phase 2 items are blocks of
+    # D rows across all experts: an item owns those columns of out for every token, so no element
+    # has two writers, and each is summed in ascending expert order whatever the thread count.
+    bounds = _phase1_items(start, gexp, F, rpi, nthreads, mmin1)
+    n1 = bounds.shape[0] - 1
+    if rpi > 0:
+        rpi2 = max(1, min(rpi, D // (4 * nthreads)))  # >= 4 items a thread
+    else:  # one share a thread: every row costs the same here (all experts in each)
+        rpi2 = (D + nthreads - 1) // nthreads
+    n2 = (D + rpi2 - 1) // rpi2
+
+    if regions == 1:
+        # One parallel region: each thread takes items from shared counters and waits for the
+        # previous phase's items to be finished (not for the other threads: a thread that got two
+        # iterations of the prange finishes whatever it took before it waits, so nothing can wait
+        # on an item that is not running). Counters a cache line apart: taken / finished for
+        # phase 1, the hidden rows' preparation, phase 2.
+        counter = np.zeros(5 * 8, np.int64)
+        for _ in prange(nthreads):
+            it = _take(counter, 0, n1)
+            while it >= 0:
+                _gate_up_item(bounds[it], bounds[it + 1], gexp, start, pair_tok, x, H, gw, uw, gfmt, ufmt, q8, ka, kb,
+                              XS, XQK, XDK, XBK, XQ8, X16, XQ0, XD0, tab16, tabbf, mmin1, maxc, pf)
+                atomics.fetch_add(counter, 8, 1)
+                it = _take(counter, 0, n1)
+            _await(counter, 8, n1)
+            p = _take(counter, 16, P)
+            while p >= 0:
+                _prepare_row(H, p, kd, kd, HS, HQK, HDK, HBK, HQ8, H16, HQ0, HD0)
+                atomics.fetch_add(counter, 24, 1)
+                p = _take(counter, 16, P)
+            _await(counter, 24, P)
+            it = _take(counter, 32, n2)
+            while it >= 0:
+                _down_item(it * rpi2, min(D, (it + 1) * rpi2), gexp, start, pids, pair_tok, pair_w, H, dw, dfmt, q8,
+                           kd, HS, HQK, HDK, HBK, HQ8, H16, HQ0, HD0, tab16, tabbf, mmin2, maxc, pf, out)
+                it = _take(counter, 32, n2)
+        return out
+
+    # Two parallel regions (and a third for the hidden rows of a large call), joined between.
+    for it in prange(n1):
+        _gate_up_item(bounds[it], bounds[it + 1], gexp, start, pair_tok, x, H, gw, uw, gfmt, ufmt, q8, ka, kb,
+                      XS, XQK, XDK, XBK, XQ8, X16, XQ0, XD0, tab16, tabbf, mmin1, maxc, pf)
     if P * F >= SERIAL_PREP_MAX:
         for p in prange(P):
             _prepare_row(H, p, kd, kd, HS, HQK, HDK, HBK, HQ8, H16, HQ0, HD0)
     else:
         for p in range(P):
             _prepare_row(H, p, kd, kd, HS, HQK, HDK, HBK, HQ8, H16, HQ0, HD0)
-    if rpi > 0:
-        rpi2 = max(1, min(rpi, D // (4 * nthreads)))  # >= 4 items a thread
-    else:  # one share a thread: every row costs the same here (all experts in each)
-        rpi2 = (D + nthreads - 1) // nthreads
-    nrb = (D + rpi2 - 1) // rpi2
-    for it in prange(nrb):
-        r0 = it * rpi2
-        r1 = min(D, r0 + rpi2)
-        wq, wsc, wm, wdm, wf = _row_buffers(F if maxc >= mmin2 else 0)
-        res = np.empty(maxc, np.float32)
-        for g in range(G):
-            e = gexp[g]
-            p0, p1 = start[e], start[e + 1]
-            if p1 - p0 < mmin2:
-                for r in range(r0, r1):
-                    _ahead(dw, e, r, pf, r1)
-                    drow = dw[e, r]
-                    for p in range(p0, p1):
-                        y = _row_dot(dfmt, q8, drow, p, H, HS, HQK, HDK, HBK, HQ8, H16, HQ0, HD0, tab16, tabbf)
-                        out[pair_tok[p], r] += pair_w[p] * y
-            else:
-                ids = pids[p0:p1]
-                for r in range(r0, r1):
-                    _ahead(dw, e, r, pf, r1)
-                    B.decode_row(dfmt, kd, dw[e, r], wq, wsc, wm, wdm, wf, tab16, tabbf)
-                    B.mdot(dfmt, kd, wq, wsc, wm, wdm, wf, ids, H, HQK, HDK, HBK, HQ0, HD0, res)
-                    for i in range(p1 - p0):
-                        out[pair_tok[p0 + i], r] += pair_w[p0 + i] * res[i]
+    for it in prange(n2):
+        _down_item(it * rpi2, min(D, (it + 1) * rpi2), gexp, start, pids, pair_tok, pair_w, H, dw, dfmt, q8,
+                   kd, HS, HQK, HDK, HBK, HQ8, H16, HQ0, HD0, tab16, tabbf, mmin2, maxc, pf, out)
     return out
