@@ -420,8 +420,8 @@ def test_prefetch_changes_no_bit(name):
 def test_work_item_layout_changes_no_bit(name):
     """One cost-balanced share of the rows a thread (rows_per_item 0, the default; shares cross
     experts) and fixed blocks within an expert, in two parallel regions or in one with shared
-    counters, give the same output bit for bit, on the one-token path and the decoded-row path,
-    at one thread and at all of them."""
+    counters (one or three shares a thread), give the same output bit for bit, on the one-token
+    path and the decoded-row path, at one thread and at all of them."""
     layer = _layer(name)
     x, experts, weights = _shared_routing(np.random.default_rng(11), 12, 3)
     on_host = np.ones(E, bool)
@@ -434,9 +434,9 @@ def test_work_item_layout_changes_no_bit(name):
         for threads in (1, before):
             try:
                 numba.set_num_threads(threads)
-                for rows, regions in itertools.product((0, 5, 16), (1, 2)):
+                for rows, (regions, parts) in itertools.product((0, 5, 16), ((1, 1), (1, 3), (2, 1))):
                     y = host_moe_swiglu(x, experts, weights, on_host, layer, multi_min=multi_min, rows_per_item=rows,
-                                        regions=regions)
+                                        regions=regions, parts=parts)
                     np.testing.assert_array_equal(y, blocks)
             finally:
                 numba.set_num_threads(before)
@@ -454,7 +454,7 @@ for n in (1, 1, 2, 5, 12):
     for rows in (0, 1, 7):
         two = host_moe_swiglu(x, experts, weights, on_host, layer, rows_per_item=rows, regions=2)
         for _ in range(3):
-            one = host_moe_swiglu(x, experts, weights, on_host, layer, rows_per_item=rows, regions=1)
+            one = host_moe_swiglu(x, experts, weights, on_host, layer, rows_per_item=rows, regions=1, parts=1 + _)
             assert np.array_equal(one, two), (n, rows)
 print("ok")
 """

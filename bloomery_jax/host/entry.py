@@ -59,4 +59,4 @@ def layer_entry(rec, x, experts, weights, on_host, out, n):
     tabbf = carray(_pointer(rec[F.TABBF], np.float32), (TABLE_LEN,))
     _moe_kernel(oa, xa, ea, wa, ha, gw, uw, dw, rec[F.GATE_FMT], rec[F.UP_FMT], rec[F.DOWN_FMT], rec[F.Q8] != 0,
                 tab16, tabbf, rec[F.ROWS_PER_ITEM], rec[F.THREADS], rec[F.MULTI_MIN1], rec[F.MULTI_MIN2],
-                rec[F.PREFETCH_ROWS], rec[F.REGIONS])
+                rec[F.PREFETCH_ROWS], rec[F.REGIONS], rec[F.PARTS])

@@ -115,6 +115,10 @@ PREFETCH_ROWS = int(os.environ.get("BLOOMERY_HOST_PREFETCH", "2"))
 REGIONS = int(os.environ.get("BLOOMERY_HOST_REGIONS", "2"))
 if REGIONS not in (1, 2):
     raise ValueError(f"BLOOMERY_HOST_REGIONS must be 1 or 2, got {REGIONS}")
+# In one region with shares (ROWS_PER_ITEM 0): shares a thread, taken as threads free up, so a
+# thread slowed by a neighbour leaves its last shares to the others. 1: one share each, as with
+# two regions. BLOOMERY_HOST_PARTS sets the default.
+PARTS = max(1, int(os.environ.get("BLOOMERY_HOST_PARTS", "1")))
 # Activation rows with fewer elements than this are prepared (rounded to 8 bits, summed) on the
 # calling thread: a decode call's 1 x 2048 inputs and 8 x 768 hidden rows take microseconds,
 # less than a parallel region's fork and join (and than waking the workers, where they sleep).
@@ -240,7 +244,7 @@ def host_moe_swiglu(x: np.ndarray, experts: np.ndarray, weights: np.ndarray, on_
                     layer: HostExpertLayer, *, act: str | None = None,
                     rows_per_item: int = ROWS_PER_ITEM, chunksize: int = CHUNKSIZE,
                     multi_min: int | None = None, prefetch_rows: int = PREFETCH_ROWS,
-                    regions: int = REGIONS) -> np.ndarray:
+                    regions: int = REGIONS, parts: int = PARTS) -> np.ndarray:
     """Weighted SwiGLU sum of the (token, expert) pairs whose expert is on the host.
 
     Args:
@@ -264,6 +268,8 @@ def host_moe_swiglu(x: np.ndarray, experts: np.ndarray, weights: np.ndarray, on_
         work item (0: no software prefetch). Never changes a result.
       regions: 1, one parallel region with work taken from shared counters; 2, one a phase
         (``REGIONS``). Never changes a result.
+      parts: with ``regions`` 1 and ``rows_per_item`` 0, cost-balanced shares a thread, taken as
+        threads free up (``PARTS``). Never changes a result.
     Returns:
       float32 ``[N, D]``.
     """
@@ -290,7 +296,7 @@ def host_moe_swiglu(x: np.ndarray, experts: np.ndarray, weights: np.ndarray, on_
         return _moe_kernel(out, x, experts, weights, on_host, layer.gate.raw, layer.up.raw, layer.down.raw,
                            *s.formats, s.q8, _TAB16, _TABBF, max(0, int(rows_per_item)),
                            numba.get_num_threads(), s.mmin1, s.mmin2, max(0, int(prefetch_rows)),
-                           _regions(regions))
+                           _regions(regions), max(1, int(parts)))
     finally:
         numba.set_parallel_chunksize(before)
 
@@ -537,7 +543,7 @@ def _await(counter, i, n):
 
 @njit(parallel=True, fastmath=True, cache=True, nogil=True)
 def _moe_kernel(out, x, experts, weights, on_host, gw, uw, dw, gfmt, ufmt, dfmt, q8, tab16, tabbf, rpi, nthreads,
-                mmin1, mmin2, pf, regions):
+                mmin1, mmin2, pf, regions, parts):
     # writes float32 out [N, D] (also returned)
     N, D = x.shape
     k = experts.shape[1]
@@ -595,12 +601,13 @@ def _moe_kernel(out, x, experts, weights, on_host, gw, uw, dw, gfmt, ufmt, dfmt,
     # Phase 1 items are ranges of the flat row space (_phase1_items); phase 2 items are blocks of
     # D rows across all experts: an item owns those columns of out for every token, so no element
     # has two writers, and each is summed in ascending expert order whatever the thread count.
-    bounds = _phase1_items(start, gexp, F, rpi, nthreads, mmin1)
+    shares = nthreads * parts if regions == 1 else nthreads
+    bounds = _phase1_items(start, gexp, F, rpi, shares, mmin1)
     n1 = bounds.shape[0] - 1
     if rpi > 0:
         rpi2 = max(1, min(rpi, D // (4 * nthreads)))  # >= 4 items a thread
-    else:  # one share a thread: every row costs the same here (all experts in each)
-        rpi2 = (D + nthreads - 1) // nthreads
+    else:  # shares: every row costs the same here (all experts in each)
+        rpi2 = (D + shares - 1) // shares
     n2 = (D + rpi2 - 1) // rpi2
 
     if regions == 1:
