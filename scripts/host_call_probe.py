@@ -9,10 +9,11 @@ that part up, on the bridges' thread count:
 - ``region_us``: an empty Numba parallel region (fork and join of the workers);
 - for each wait setting (libgomp's spin count, read once a process: each runs in a child) and
   each gap between calls (``--gaps``: the card's work between two layer calls of a decode step,
-  during which the workers spin or fall asleep), the call through ``host_moe_swiglu`` (Python)
-  and through ``entry.layer_entry`` (the C function the FFI bridge calls, no Python) with m of
-  8 experts on the host, and the line fitted through m = 1..8: intercept (fixed µs a call) and
-  slope (µs an expert, with its GB/s).
+  during which the workers spin or fall asleep), the call through ``entry.layer_entry`` (the C
+  function the FFI bridge calls, no Python) under each kernel layout (``--layouts``: ``r2`` two
+  parallel regions, ``r1pN`` one region with N shares a thread; ``python``: the default layout
+  through ``host_moe_swiglu``) with m of 8 experts on the host, and the line fitted through
+  m = 1..8: intercept (fixed µs a call) and slope (µs an expert, with its GB/s).
 
 Each call's routing walks through the experts so that its weights come from DRAM.
 
@@ -78,6 +79,9 @@ def child(args) -> dict:
         step[0] += 1
         on_host = np.zeros(E, np.bool_)
         on_host[ids[0, :m]] = True
+        if path != "python":  # r2 | r1pN
+            record[F.REGIONS] = int(path[1])
+            record[F.PARTS] = int(path[3:]) if path.startswith("r1p") else 1
         t0 = time.perf_counter()
         if path == "python":
             host_moe_swiglu(x, ids, weights, on_host, layer)
@@ -93,8 +97,8 @@ def child(args) -> dict:
     a = np.zeros(threads, np.float64)
     for _ in range(5):
         empty_region(a)
-        call("python", K)
-        call("entry", K)
+        for path in args.layouts:
+            call(path, K)
     ts = []
     for _ in range(args.reps):
         t0 = time.perf_counter()
@@ -103,7 +107,7 @@ def child(args) -> dict:
     res = dict(threads=threads, expert_mb=expert_mb, region_us=statistics.median(ts) * 1e6, gaps={})
     for g in args.gaps:
         rows = {}
-        for path in ("entry", "python"):
+        for path in args.layouts:
             ms = {}
             for m in (0, 1, 2, 4, 6, 8):
                 samples = []
@@ -123,10 +127,12 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=40)
     p.add_argument("--gaps", default="0,100", help="µs between calls, comma-separated")
     p.add_argument("--waits", default="10k,1M,passive", help=f"of {sorted(SPINS)}, comma-separated")
+    p.add_argument("--layouts", default="r2,r1p1,r1p4", help="r2, r1pN or python, comma-separated")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--json")
     args = p.parse_args(argv)
     args.gaps = [int(g) for g in args.gaps.split(",")]
+    args.layouts = args.layouts.split(",")
     if args.child:
         print(json.dumps(child(args)))
         return 0
@@ -137,7 +143,8 @@ def main(argv=None) -> int:
         here = os.path.dirname(os.path.abspath(__file__))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), here]))
         proc = subprocess.run([sys.executable, __file__, "--child", "--reps", str(args.reps), "--gaps",
-                               ",".join(map(str, args.gaps))], env=env, capture_output=True, text=True)
+                               ",".join(map(str, args.gaps)), "--layouts", ",".join(args.layouts)], env=env,
+                              capture_output=True, text=True)
         if proc.returncode:
             result["waits"][w] = dict(error=proc.stderr[-1500:])
         else:
