@@ -29,6 +29,8 @@
 #           (scripts/link_probe.py: copies from pinned memory alone, beside the host kernels, and split
 #           layer calls), then the host kernel layouts and the bridges (gpu_session.py host) on the
 #           engine's pinned small pages
+#   quarter without llama.cpp: the 48-layer file, the quarter budget whole and in halves, n-cpu-moe=36
+#   regions at once after quarter: n-cpu-moe=36 in one parallel region, host_call_probe.py
 #   prefill the card bench with the prefill products on quant tiles with x in one bf16 part (pallas-bf16,
 #           the default since the sixteenth session, unmeasured end to end) and in two (pallas-qtiles,
 #           the sixteenth session's side-by-side), with time left pallas-q8 and the 8-layer pp512 profile
@@ -37,7 +39,7 @@
 #           stay in /tmp on a warm machine), then link, then trace or hybrid if device time is left (about 5-10
 #           minutes each; every bench launches decode blocks ahead, bench --no-lookahead not)
 #
-#   run: bash scripts/gpu_hold.sh trace|side|prefill|overlap|hybrid|link   (ATTN=0 skips the attention bench,
+#   run: bash scripts/gpu_hold.sh trace|side|prefill|overlap|hybrid|link|quarter|regions   (ATTN=0 skips the attention bench,
 #        LKB=0 the launch-config sweep, so that the committed tables are what runs; QPROF=1
 #        adds the quarter profile; HOST_LAYOUTS narrows gpu_session's host sweep)
 set -u
@@ -113,6 +115,26 @@ link)
     > $RES/link_probe.txt 2>&1; echo "link probe: rc $?"; tail -c 2500 $RES/link_probe.txt
   HOST_LAYOUTS=${HOST_LAYOUTS:-0:2,0:4,0:8,64:2} HOST_MEMORY=${HOST_MEMORY:-small} timeout 240 \
     python3 scripts/gpu_session.py --out $RES host
+  ;;
+quarter)
+  # without llama.cpp (for a hold too short to build it): the 48-layer file on every core, the
+  # quarter budget with the mixed layers' host calls whole and in halves, then n-cpu-moe=36 as
+  # the base of `regions`
+  [ -f /tmp/model48.done ] || { python3 scripts/gpu_session.py --out $RES model; echo $? > /tmp/model48.done; }
+  for v in whole halves; do
+    mkdir -p $RES/$v
+    BLOOMERY_FFI_OVERLAP=$([ $v = whole ] && echo 0 || echo 1) ${B/--out $RES/--out $RES/$v} --bridge ffi \
+      --signal doorbell bench --only quarter-static,quarter-lfu-stream
+  done
+  [ $SECONDS -lt 470 ] && $B --bridge ffi --signal doorbell bench --only ncmoe36
+  ;;
+regions)
+  # at once after `quarter`: n-cpu-moe=36 with the host kernels in one parallel region, then the
+  # fixed cost of a host call under each kernel layout and spin count
+  mkdir -p $RES/regions1
+  BLOOMERY_HOST_REGIONS=1 ${B/--out $RES/--out $RES/regions1} --bridge ffi --signal doorbell bench --only ncmoe36
+  [ $SECONDS -lt 200 ] && timeout 150 python3 scripts/host_call_probe.py --reps 40 --waits 10k,1M \
+    --json $RES/host_call_probe.json > $RES/host_call_probe.txt 2>&1
   ;;
 prefill)
   # the card bench with the prefill products on quant tiles with x in one bf16 part (pallas-bf16, the
