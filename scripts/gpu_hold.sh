@@ -29,8 +29,9 @@
 #           (scripts/link_probe.py: copies from pinned memory alone, beside the host kernels, and split
 #           layer calls), then the host kernel layouts and the bridges (gpu_session.py host) on the
 #           engine's pinned small pages
-#   quarter without llama.cpp: the 48-layer file, the quarter budget whole and in halves, n-cpu-moe=36
-#   regions at once after quarter: n-cpu-moe=36 in one parallel region, host_call_probe.py
+#   quarter without llama.cpp: the 48-layer file, the quarter budget whole and in halves, the
+#           halves' lfu-stream in one parallel region
+#   regions at once after quarter: n-cpu-moe=36 in two parallel regions and in one, host_call_probe.py
 #   prefill the card bench with the prefill products on quant tiles with x in one bf16 part (pallas-bf16,
 #           the default since the sixteenth session, unmeasured end to end) and in two (pallas-qtiles,
 #           the sixteenth session's side-by-side), with time left pallas-q8 and the 8-layer pp512 profile
@@ -118,22 +119,29 @@ link)
   ;;
 quarter)
   # without llama.cpp (for a hold too short to build it): the 48-layer file on every core, the
-  # quarter budget with the mixed layers' host calls whole and in halves, then n-cpu-moe=36 as
-  # the base of `regions`
+  # quarter budget with the mixed layers' host calls whole and in halves, then (time left) the
+  # halves' lfu-stream with the host kernels in one parallel region
   [ -f /tmp/model48.done ] || { python3 scripts/gpu_session.py --out $RES model; echo $? > /tmp/model48.done; }
   for v in whole halves; do
     mkdir -p $RES/$v
     BLOOMERY_FFI_OVERLAP=$([ $v = whole ] && echo 0 || echo 1) ${B/--out $RES/--out $RES/$v} --bridge ffi \
       --signal doorbell bench --only quarter-static,quarter-lfu-stream
   done
-  [ $SECONDS -lt 470 ] && $B --bridge ffi --signal doorbell bench --only ncmoe36
+  # the halves' lfu-stream again with the host kernels in one parallel region
+  if [ $SECONDS -lt 480 ]; then
+    mkdir -p $RES/halves-regions1
+    BLOOMERY_HOST_REGIONS=1 BLOOMERY_FFI_OVERLAP=1 ${B/--out $RES/--out $RES/halves-regions1} --bridge ffi \
+      --signal doorbell bench --only quarter-lfu-stream
+  fi
   ;;
 regions)
-  # at once after `quarter`: n-cpu-moe=36 with the host kernels in one parallel region, then the
-  # fixed cost of a host call under each kernel layout and spin count
-  mkdir -p $RES/regions1
-  BLOOMERY_HOST_REGIONS=1 ${B/--out $RES/--out $RES/regions1} --bridge ffi --signal doorbell bench --only ncmoe36
-  [ $SECONDS -lt 200 ] && timeout 150 python3 scripts/host_call_probe.py --reps 40 --waits 10k,1M \
+  # at once after `quarter`: n-cpu-moe=36 in two parallel regions and in one, then the fixed cost
+  # of a host call under each kernel layout and spin count
+  for r in 2 1; do
+    mkdir -p $RES/regions$r
+    BLOOMERY_HOST_REGIONS=$r ${B/--out $RES/--out $RES/regions$r} --bridge ffi --signal doorbell bench --only ncmoe36
+  done
+  [ $SECONDS -lt 300 ] && timeout 150 python3 scripts/host_call_probe.py --reps 40 --waits 10k,1M \
     --json $RES/host_call_probe.json > $RES/host_call_probe.txt 2>&1
   ;;
 prefill)
