@@ -128,7 +128,7 @@ quarter)
       --signal doorbell bench --only quarter-static,quarter-lfu-stream
   done
   # the halves' lfu-stream again with the host kernels in one parallel region
-  if [ $SECONDS -lt 480 ]; then
+  if [ $SECONDS -lt ${R1_BEFORE:-480} ]; then
     mkdir -p $RES/halves-regions1
     BLOOMERY_HOST_REGIONS=1 BLOOMERY_FFI_OVERLAP=1 ${B/--out $RES/--out $RES/halves-regions1} --bridge ffi \
       --signal doorbell bench --only quarter-lfu-stream
