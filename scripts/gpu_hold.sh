@@ -53,6 +53,7 @@ K="--kernels ${KERNELS:-pallas-bf16} --attention pallas --routing pallas"  # the
 [ "${TUNED:-1}" = 1 ] && [ -s /tmp/gemv_tuned.json ] && export BLOOMERY_GEMV_TUNED=/tmp/gemv_tuned.json
 B="python3 scripts/gpu_session.py --out $RES --reps 3 --parallel 1 $K --decode-block 8 --variant-timeout 220"
 M8=/tmp/bloomery/qwen3-30b-a3b-shape-8l-q4km.gguf
+pack() { tar czf "$OUT/$call.tgz" -C "$RES" .; }  # also between runs, where a call may be cut short
 case $call in
 trace)
   VARIANTS="${VARIANTS:-graph block8 block8_dev}" OUT=$RES bash scripts/graph_trace_probe.sh
@@ -126,6 +127,7 @@ quarter)
     mkdir -p $RES/$v
     BLOOMERY_FFI_OVERLAP=$([ $v = whole ] && echo 0 || echo 1) ${B/--out $RES/--out $RES/$v} --bridge ffi \
       --signal doorbell bench --only quarter-static,quarter-lfu-stream
+    pack
   done
   # the halves' lfu-stream again with the host kernels in one parallel region
   if [ $SECONDS -lt ${R1_BEFORE:-480} ]; then
@@ -164,5 +166,5 @@ prefill)
   ;;
 *) echo "unknown call $call"; exit 2 ;;
 esac
-tar czf "$OUT/$call.tgz" -C "$RES" .
+pack
 echo "$call: end at ${SECONDS}s"
