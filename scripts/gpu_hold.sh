@@ -29,8 +29,8 @@
 #           (scripts/link_probe.py: copies from pinned memory alone, beside the host kernels, and split
 #           layer calls), then the host kernel layouts and the bridges (gpu_session.py host) on the
 #           engine's pinned small pages
-#   quarter without llama.cpp: the 48-layer file, the quarter budget whole and in halves, the
-#           halves' lfu-stream in one parallel region
+#   quarter without llama.cpp: the 48-layer file, the quarter budget whole and in halves, and in
+#           halves with the host kernels in one parallel region
 #   regions at once after quarter: n-cpu-moe=36 in two parallel regions and in one, host_call_probe.py
 #   prefill the card bench with the prefill products on quant tiles with x in one bf16 part (pallas-bf16,
 #           the default since the sixteenth session, unmeasured end to end) and in two (pallas-qtiles,
@@ -119,24 +119,19 @@ link)
     python3 scripts/gpu_session.py --out $RES host
   ;;
 quarter)
-  # without llama.cpp (for a hold too short to build it): the 48-layer file on every core, the
-  # quarter budget with the mixed layers' host calls whole and in halves, then (time left) the
-  # halves' lfu-stream with the host kernels in one parallel region
+  # without llama.cpp (for a hold too short to build it): the 48-layer file on every core, then
+  # the quarter budget with the mixed layers' host calls whole and in halves, and in halves with
+  # the host kernels in one parallel region; lfu-stream first, the faster runs, where a call may
+  # be cut short (each run packed as it ends)
   [ -f /tmp/model48.done ] || { python3 scripts/gpu_session.py --out $RES model; echo $? > /tmp/model48.done; }
-  for q in quarter-lfu-stream quarter-static; do  # the faster runs first, where a call may be cut short
-    for v in whole halves; do
-      mkdir -p $RES/$v
-      BLOOMERY_FFI_OVERLAP=$([ $v = whole ] && echo 0 || echo 1) ${B/--out $RES/--out $RES/$v} --bridge ffi \
-        --signal doorbell bench --only $q
-      pack
-    done
+  for run in lfu-stream:whole lfu-stream:halves lfu-stream:halves-regions1 static:halves static:whole; do
+    q=quarter-${run%%:*} v=${run#*:}
+    [ $SECONDS -gt ${LAST_START:-470} ] && { echo "$run: skipped, the call's time is nearly spent"; continue; }
+    mkdir -p $RES/$v
+    BLOOMERY_HOST_REGIONS=$([ $v = halves-regions1 ] && echo 1 || echo 2) BLOOMERY_FFI_OVERLAP=$([ $v = whole ] \
+      && echo 0 || echo 1) ${B/--out $RES/--out $RES/$v} --bridge ffi --signal doorbell bench --only $q
+    pack
   done
-  # the halves' lfu-stream again with the host kernels in one parallel region
-  if [ $SECONDS -lt ${R1_BEFORE:-480} ]; then
-    mkdir -p $RES/halves-regions1
-    BLOOMERY_HOST_REGIONS=1 BLOOMERY_FFI_OVERLAP=1 ${B/--out $RES/--out $RES/halves-regions1} --bridge ffi \
-      --signal doorbell bench --only quarter-lfu-stream
-  fi
   ;;
 regions)
   # at once after `quarter`: n-cpu-moe=36 in two parallel regions and in one, then the fixed cost
