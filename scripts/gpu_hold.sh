@@ -123,7 +123,7 @@ quarter)
   # the quarter budget with the mixed layers' host calls whole and in halves, and in halves with
   # the host kernels in one parallel region; lfu-stream first, the faster runs, where a call may
   # be cut short (each run packed as it ends)
-  [ -f /tmp/model48.done ] || { python3 scripts/gpu_session.py --out $RES model; echo $? > /tmp/model48.done; }
+  [ -f /tmp/model48.done ] || { python3 scripts/gpu_session.py --out $RES model; rc=$?; sync; echo $rc > /tmp/model48.done; }
   for run in lfu-stream:whole lfu-stream:halves lfu-stream:halves-regions1 static:halves static:whole; do
     q=quarter-${run%%:*} v=${run#*:}
     [ $SECONDS -gt ${LAST_START:-470} ] && { echo "$run: skipped, the call's time is nearly spent"; continue; }

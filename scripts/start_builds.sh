@@ -2,6 +2,9 @@
 # Starts, in sessions of their own so that they outlive the call on a warm machine, the llama.cpp
 # build (cores 0-11) and the 48-layer file (core 12); scripts/await_builds.sh waits for their
 # /tmp/llbuild.done and /tmp/model48.done. A job already running or done is left alone.
+# The file is flushed to disk (sync) before it counts as done: written in ~25 s, its 18.5 GB of
+# dirty pages may go on being written back under the next benches (the likely cause of the
+# nineteenth session's disturbed quarter runs, benchmarks/gpu_2026-12-05-s19/COMMANDS.md).
 # The build runs in a copy of .baseline under /tmp: a later call that carries .baseline replaces
 # the folder, and with it a build still running there (seventeenth session).
 if [ ! -f /tmp/llbuild.done ] && ! pgrep -f llbase/llamacpp_gpu.sh > /dev/null; then
@@ -9,5 +12,5 @@ if [ ! -f /tmp/llbuild.done ] && ! pgrep -f llbase/llamacpp_gpu.sh > /dev/null; 
   setsid bash -c "taskset -c 0-11 nice -n 10 bash /tmp/llbase/llamacpp_gpu.sh build > /tmp/llbuild.log 2>&1; rc=\$?; cp -a /tmp/llbase/build /tmp/llama-build; echo \$rc > /tmp/llbuild.done" < /dev/null > /dev/null 2>&1 &
 fi
 if [ ! -f /tmp/model48.done ] && ! pgrep -f "model48-out model" > /dev/null; then
-  setsid bash -c "taskset -c 12 nice -n 19 python3 scripts/gpu_session.py --out /tmp/model48-out model > /tmp/model48.log 2>&1; echo \$? > /tmp/model48.done" < /dev/null > /dev/null 2>&1 &
+  setsid bash -c "taskset -c 12 nice -n 19 python3 scripts/gpu_session.py --out /tmp/model48-out model > /tmp/model48.log 2>&1; rc=\$?; sync; echo \$rc > /tmp/model48.done" < /dev/null > /dev/null 2>&1 &
 fi
