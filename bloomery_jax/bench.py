@@ -139,7 +139,8 @@ def run_parallel(model, args, parallel: int, progress, rng) -> tuple[list[dict],
                               buckets=[bucket_for(engine.buckets, parallel)],
                               decode_block=args.decode_block, samplers=[greedy])
     progress.done(f"parallel {parallel}: compiled in {compile_s:.2f} s")
-    pp, tg, edges = [], [], []
+    pp, tg, edges, host_decode = [], [], [], []
+    host = model.placement.host if model.placement is not None else None
     for rep in range(args.reps + 1):
         label = "warm-up" if rep == 0 else f"rep {rep}/{args.reps}"
         progress.update(f"parallel {parallel}: {label}")
@@ -152,9 +153,13 @@ def run_parallel(model, args, parallel: int, progress, rng) -> tuple[list[dict],
         else:
             _timed_prefill(engine, seqs)
         if n > 0:
+            before = _host_totals(host)
             t, calls = _timed_decode(engine, seqs, n, args.decode_block, args.lookahead)
             if rep:
                 tg.append(parallel * n / t)
+                if host is not None:  # the host kernels' share of this decode: its calls and seconds alone
+                    after = _host_totals(host)
+                    host_decode.append((after[0] - before[0], after[1] - before[1], t))
                 if engine.routed_calls:  # host experts: how much of this decode the card served, early and late
                     edge = -(-16 // args.decode_block)  # the calls holding the first / last 16 steps
                     edges.append((_served(calls[:edge]), _served(calls[-edge:])))
@@ -172,7 +177,22 @@ def run_parallel(model, args, parallel: int, progress, rng) -> tuple[list[dict],
     if edges and n > 0:  # the tg record: medians over repetitions
         records[-1]["placement"]["decode_first16_card_fraction"] = statistics.median(e[0] for e in edges)
         records[-1]["placement"]["decode_last16_card_fraction"] = statistics.median(e[1] for e in edges)
+    if host_decode and n > 0:  # the timed decodes only (the run's totals above count warm-up and prefill too)
+        stats = records[-1]["placement"]
+        stats["decode_host_calls"] = statistics.median(c for c, _, _ in host_decode)
+        stats["decode_host_share"] = statistics.median(s / t for _, s, t in host_decode)
+        per_call = [s / c * 1e3 for c, s, _ in host_decode if c]
+        if per_call:
+            stats["decode_host_ms_per_call"] = statistics.median(per_call)
     return records, compile_s
+
+
+def _host_totals(host) -> tuple[int, float] | None:
+    """The host bridge's calls and kernel seconds so far (None without one)."""
+    if host is None:
+        return None
+    stats = host.stats
+    return stats.calls, stats.seconds
 
 
 def _chunks_used(engine, depth: int, n_prompt: int) -> list[int]:

@@ -47,6 +47,19 @@ def test_decode_block_record(model_path):
     assert [(r["test"], r["decode_block"]) for r in recs] == [("pp8", 4), ("tg11", 4)] and recs[1]["tps_min"] > 0
 
 
+def test_host_share_of_the_timed_decodes(model_path):
+    """With host experts, the tg record says how many host calls a timed decode made, what one
+    took and what share of the decode's time the host kernels were: the timed decodes alone, not
+    the warm-up and prefill steps the run's totals count."""
+    recs = bench.run(["--model", model_path, "-p", "8", "-n", "6", "--reps", "2", "--json", "--place", "card-experts=2",
+                      *COMMON], out=io.StringIO(), err=io.StringIO())
+    stats = recs[-1]["placement"]
+    n_layers = SHAPE["n_layers"]
+    assert 0 < stats["decode_host_calls"] <= 6 * n_layers < stats["host_calls"]
+    assert 0 < stats["decode_host_share"] <= 1 and stats["decode_host_ms_per_call"] > 0
+    assert stats["decode_host_ms_per_call"] * 1e-3 * stats["decode_host_calls"] < stats["host_kernel_s"]
+
+
 def test_depth_and_table(model_path):
     out = io.StringIO()
     recs = bench.run(["--model", model_path, "-p", "13", "-n", "40", "--depth", "10", "--reps", "1", *COMMON],
