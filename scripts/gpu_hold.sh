@@ -75,7 +75,9 @@ side)
   $B bench --only card  # while a build may still have cores 0-11: the card bench waits on the card
   bash scripts/await_builds.sh 300 || exit 1
   python3 scripts/gpu_session.py --out $RES llamacpp --only card,ncmoe36
+  pack
   $B --bridge ffi --signal doorbell bench --only ncmoe36
+  pack
   [ "${HUGE:-0}" = 1 ] && $B --bridge ffi --signal doorbell --pages huge bench --only ncmoe36  # refuted on the H100 (s14)
   python3 scripts/gpu_session.py --out $RES compare
   # the host kernels in one parallel region with shared counters (the nineteenth session's A/B)
@@ -110,6 +112,7 @@ overlap)
     GOMP_SPINCOUNT=$spin BLOOMERY_FFI_OVERLAP=$([ $v = whole ] && echo 0 || echo 1) ${B/--out $RES/--out $RES/$v} \
       --bridge ffi --signal doorbell bench --only quarter-static,quarter-lfu-stream
     python3 scripts/gpu_session.py --out $RES/$v compare
+    pack
   done
   ;;
 link)
