@@ -143,7 +143,7 @@ regions)
     mkdir -p $RES/regions$r
     BLOOMERY_HOST_REGIONS=$r ${B/--out $RES/--out $RES/regions$r} --bridge ffi --signal doorbell bench --only ncmoe36
   done
-  [ $SECONDS -lt 300 ] && timeout 150 python3 scripts/host_call_probe.py --reps 40 --waits 10k,1M \
+  [ $SECONDS -lt 300 ] && timeout 220 python3 scripts/host_call_probe.py --reps 40 --waits 10k,1M \
     --json $RES/host_call_probe.json > $RES/host_call_probe.txt 2>&1
   ;;
 prefill)

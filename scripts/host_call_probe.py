@@ -128,6 +128,7 @@ def main(argv=None) -> int:
     p.add_argument("--gaps", default="0,100", help="µs between calls, comma-separated")
     p.add_argument("--waits", default="10k,1M,passive", help=f"of {sorted(SPINS)}, comma-separated")
     p.add_argument("--layouts", default="r2,r1p1,r1p4", help="r2, r1pN or python, comma-separated")
+    p.add_argument("--rounds", type=int, default=2, help="times every wait setting is run, in turn")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--json")
     args = p.parse_args(argv)
@@ -136,7 +137,21 @@ def main(argv=None) -> int:
     if args.child:
         print(json.dumps(child(args)))
         return 0
-    result = dict(reps=args.reps, waits={})
+    # Rounds of every wait setting in turn, so that a disturbed spell of the machine (the
+    # nineteenth session's second machine had one in its first minute) does not fall on one alone.
+    result = dict(reps=args.reps, rounds=[])
+    for _ in range(args.rounds):
+        result["rounds"].append(_round(args))
+    print(json.dumps(result, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+def _round(args) -> dict:
+    """One child process for each wait setting: {wait: the child's result}."""
+    waits = {}
     for w in args.waits.split(","):
         env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
         env.update(SPINS[w])
@@ -146,17 +161,13 @@ def main(argv=None) -> int:
                                ",".join(map(str, args.gaps)), "--layouts", ",".join(args.layouts)], env=env,
                               capture_output=True, text=True)
         if proc.returncode:
-            result["waits"][w] = dict(error=proc.stderr[-1500:])
+            waits[w] = dict(error=proc.stderr[-1500:])
         else:
-            result["waits"][w] = json.loads(proc.stdout.strip().splitlines()[-1])
-        r = result["waits"][w]
+            waits[w] = json.loads(proc.stdout.strip().splitlines()[-1])
+        r = waits[w]
         print(w, json.dumps({g: {p: (round(v["intercept_us"], 1), round(v["slope_us"], 1)) for p, v in rows.items()}
                              for g, rows in r.get("gaps", {}).items()}), "region_us", r.get("region_us"), flush=True)
-    print(json.dumps(result, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-    return 0
+    return waits
 
 
 if __name__ == "__main__":
