@@ -456,6 +456,13 @@ for n in (1, 1, 2, 5, 12):
         for _ in range(3):
             one = host_moe_swiglu(x, experts, weights, on_host, layer, rows_per_item=rows, regions=1, parts=1 + _)
             assert np.array_equal(one, two), (n, rows)
+        # more prange iterations than threads (shares cut for 13): some threads run several in turn
+        real, numba.get_num_threads = numba.get_num_threads, lambda: 13
+        try:
+            one = host_moe_swiglu(x, experts, weights, on_host, layer, rows_per_item=rows, regions=1)
+        finally:
+            numba.get_num_threads = real
+        assert np.array_equal(one, two), (n, rows, 13)
 print("ok")
 """
 
@@ -464,8 +471,9 @@ def test_one_region_with_more_threads_than_cores():
     """One parallel region whose threads take items from shared counters and wait for the
     previous phase's items: with 6 Numba threads (more than CI's cores, so threads are descheduled
     while others wait on them), the same bits as two regions, call after call, for one to twelve
-    tokens and items of 1 row to one share a thread; a wait that let a thread run ahead would
-    read hidden rows not yet written, and a wait on threads rather than items could hang."""
+    tokens and items of 1 row to one share a thread, and with 13 iterations of the region's loop
+    over the 6 threads; a wait that let a thread run ahead would read hidden rows not yet
+    written, and a wait on threads rather than items could hang."""
     import os
     import subprocess
     import sys
