@@ -7,7 +7,9 @@ host pair gets exact zeros. The weights are never dequantized as a whole, inside
 call, in two parallel phases: gate+up → hidden vector per (token, expert) pair, over ranges of
 the (expert, row of F) space; then down and the weighted sum, over ranges of D rows of the
 output (all experts in each). By default each thread takes one range a phase, cut where the
-estimated cost is even (``ROWS_PER_ITEM``). An expert with few tokens (decode) has each (row, token) dot read the row's
+estimated cost is even (``ROWS_PER_ITEM``), and each phase is a parallel region of its own;
+``regions=1`` runs both in one region whose threads take the ranges from shared counters
+(``atomics``). An expert with few tokens (decode) has each (row, token) dot read the row's
 blocks itself; one with at least ``multi_min`` tokens (prefill) decodes each row once into a
 small buffer (``blocks.decode_row``: int16 scale × quant, or float32 values) and dots that with
 all its tokens, four at a time (``blocks.mdot``). Every output element and every dot product
