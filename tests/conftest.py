@@ -20,6 +20,35 @@ import pytest
 from bloomery_jax.synth import synthesize
 
 
+# Every compiled XLA executable keeps its code mapped, and one pytest process compiles thousands:
+# at ~32% of the suite the process reached the kernel's limit on memory mappings
+# (vm.max_map_count, 65,530 by default), after which an XLA compile segfaulted or failed to
+# "materialize symbols" and a shared library "failed to map segment" (nineteenth session). After
+# a test module whose process holds more than MAP_BUDGET mappings, JAX's caches are dropped
+# (compiled steps are shared within a module, rarely across modules).
+MAP_BUDGET = 30_000
+
+
+def _mappings() -> int:
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux: no such limit to keep under
+        return 0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_code():
+    yield
+    if _mappings() > MAP_BUDGET:
+        import gc
+
+        import jax
+
+        jax.clear_caches()
+        gc.collect()
+
+
 @pytest.fixture(scope="session")
 def synth_model(tmp_path_factory):
     root = tmp_path_factory.mktemp("synth")
