@@ -42,8 +42,8 @@ from ..errors import ConfigError
 from . import ffi_layout as F
 from .bridge import BridgeStats, HostBridge
 from .memory import host_buffer, mapped_bytes
-from .swiglu import (_TAB16, _TABBF, CHUNKSIZE, EXPERT_ROLES, PARTS, PREFETCH_ROWS, REGIONS, ROWS_PER_ITEM, HostExpertLayer,
-                     kernel_settings)
+from .swiglu import (_TAB16, _TABBF, CHUNKSIZE, EXPERT_ROLES, PARTS, PREFETCH_ROWS, REGIONS, ROWS_PER_ITEM,
+                     HostExpertLayer, kernel_settings)
 
 SOURCE = Path(__file__).resolve().parent / "ffi_bridge.cc"
 TARGET = "bloomery_host_moe"
@@ -250,7 +250,8 @@ class FfiHostBridge(HostBridge):
                       DOWN=d.ctypes.data, GATE_ROW_BYTES=g.shape[2], UP_ROW_BYTES=u.shape[2],
                       DOWN_ROW_BYTES=d.shape[2], GATE_FMT=s.formats[0], UP_FMT=s.formats[1],
                       DOWN_FMT=s.formats[2], Q8=int(s.q8), ROWS_PER_ITEM=ROWS_PER_ITEM, PREFETCH_ROWS=PREFETCH_ROWS,
-                      REGIONS=REGIONS, PARTS=PARTS, MULTI_MIN1=s.mmin1, MULTI_MIN2=s.mmin2, TAB16=_TAB16.ctypes.data, TABBF=_TABBF.ctypes.data)
+                      REGIONS=REGIONS, PARTS=PARTS, MULTI_MIN1=s.mmin1, MULTI_MIN2=s.mmin2,
+                      TAB16=_TAB16.ctypes.data, TABBF=_TABBF.ctypes.data)
         for name, v in values.items():
             rec[getattr(F, name)] = int(v)
         return rec

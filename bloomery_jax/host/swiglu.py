@@ -110,13 +110,19 @@ ROWS_PER_ITEM = int(os.environ.get("BLOOMERY_HOST_ROWS", "0"))
 # 16-core host: 54.0 against 48.1 tok/s, 0.416 against 0.484 ms a layer call; shares without
 # the hint 48.2 (benchmarks/gpu_2026-12-05-s18, hostB).
 PREFETCH_ROWS = int(os.environ.get("BLOOMERY_HOST_PREFETCH", "2"))
+
+
+def _regions(regions: int, what: str = "host_moe_swiglu: regions") -> int:
+    if regions not in (1, 2):  # 1 or 2 as asked: any other value is a mistake, not a setting
+        raise ValueError(f"{what} must be 1 or 2, got {regions!r}")
+    return int(regions)
+
+
 # Parallel regions a layer call runs: 2, gate/up then down, each a fork and a join of the workers
 # (~9 us with 14 spinning workers on the H100's host, scripts/host_call_probe.py); 1, one region
 # whose threads take items from shared counters and wait for the previous phase's items
 # (atomics). The same dots in the same order either way. BLOOMERY_HOST_REGIONS sets the default.
-REGIONS = int(os.environ.get("BLOOMERY_HOST_REGIONS", "2"))
-if REGIONS not in (1, 2):
-    raise ValueError(f"BLOOMERY_HOST_REGIONS must be 1 or 2, got {REGIONS}")
+REGIONS = _regions(int(os.environ.get("BLOOMERY_HOST_REGIONS", "2")), "BLOOMERY_HOST_REGIONS")
 # In one region with shares (ROWS_PER_ITEM 0): shares a thread, taken as threads free up, so a
 # thread slowed by a neighbour leaves its last shares to the others. 1: one share each, as with
 # two regions. BLOOMERY_HOST_PARTS sets the default.
@@ -326,12 +332,6 @@ def kernel_settings(layer: HostExpertLayer, act: str | None = None, multi_min: i
     else:
         mmin1 = mmin2 = max(1, int(multi_min))
     return KernelSettings(fmts, act == "q8", mmin1, mmin2)
-
-
-def _regions(regions: int) -> int:
-    if regions not in (1, 2):  # 1 or 2 as asked: any other value is a mistake, not a setting
-        raise ValueError(f"host_moe_swiglu: regions must be 1 or 2, got {regions!r}")
-    return int(regions)
 
 
 def _readonly(a: np.ndarray) -> np.ndarray:
