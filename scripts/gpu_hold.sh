@@ -13,7 +13,8 @@
 #           expert GEMM's tiles for q-bf16 at 512 tokens (moe_prefill_bench.py).
 #           (The sixteenth session dropped the sampler bench, which spent its 90 s compiling,
 #           and the GEMM at 1 and 8 tokens: the GEMV won both, benchmarks/gpu_2026-12-05-s16.)
-#   side    llama-bench all on the card and -ncmoe 36, our card bench (block 8), our
+#   side    llama-bench all on the card and -ncmoe 36, our card bench (block 8; while the build runs,
+#           again under kernels=pallas-q8 and the q8 MoE launches swept, Q8=0 skips them), our
 #           n-cpu-moe=36 bench over the FFI bridge: doorbell signal (HUGE=1: again with the host
 #           experts on huge pages), then (time left) with the host kernels in one parallel
 #           region (BLOOMERY_HOST_REGIONS=1); ratios
@@ -72,7 +73,13 @@ trace)
   ;;
 side)
   bash scripts/start_builds.sh  # (nothing when the trace call's builds run or are done)
+  for ((t = 0; t < 150; t += 2)); do [ -f /tmp/model48.done ] && break; sleep 2; done  # the file, written and synced
   $B bench --only card  # while a build may still have cores 0-11: the card bench waits on the card
+  # (twentieth session) the card under integer dot products at decode, end to end and per MoE launch
+  Q=${B/--out $RES/--out $RES/q8}
+  [ "${Q8:-1}" = 1 ] && { mkdir -p $RES/q8; ${Q/--kernels pallas-bf16 /--kernels pallas-q8 } bench --only card; pack
+    taskset -c 13-15 timeout 100 python3 scripts/layer_kernel_bench.py --budget-s 80 --families gate_up_q8,down_q8,down_q4k_q8 \
+      --json "$RES/layer_kernels_q8.json" > "$RES/layer_kernels_q8.txt" 2>&1; cut -c1-90 "$RES/layer_kernels_q8.txt"; }
   bash scripts/await_builds.sh 300 || exit 1
   python3 scripts/gpu_session.py --out $RES llamacpp --only card,ncmoe36
   pack

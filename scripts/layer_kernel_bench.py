@@ -9,6 +9,10 @@ of ``GemvConfig`` variants, the first being what the code picks today (``pick_co
   down     ``moe_gemv(g, down, experts, up=u)``: Q6_K [128, 2048, 768], SwiGLU formed in-kernel
   down_q4k the same for a Q4_K down projection (half the layers of a Q4_K_M file)
   output   ``qgemv(x, output)``: Q6_K [151936, 2048]
+  gate_up_q8, down_q8, down_q4k_q8
+           the MoE families on integer dot products (``qgemv_q8``, weights in the "ggml" layout,
+           ``kernels=pallas-q8``), each timed with the Q8_1 rounding of its input that the step
+           makes before it (down: of ``silu(g) * u``), since that is a launch of its own
 
 Timing: one jitted call makes the launch R times back to back, each on its own weight copy (the
 dense families, enough copies to outgrow the 60 MB L2) or its own set of 8 random experts (the
@@ -42,9 +46,12 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from bloomery_jax.ops.experts import swiglu  # noqa: E402
+from bloomery_jax.ops.actquant import quantize_q8_1  # noqa: E402
 from bloomery_jax.ops.qmatmul import interpret_kernels  # noqa: E402
 from bloomery_jax.pallas.moe_gemv import moe_gemv, moe_gemv_many  # noqa: E402
 from bloomery_jax.pallas.qgemv import qgemv, qgemv_many  # noqa: E402
+from bloomery_jax.pallas.qgemv_q8 import moe_gemv_q8, moe_gemv_q8_many  # noqa: E402
 from bloomery_jax.pallas.qgemv_tuned import GemvConfig as C, pick_config, pick_many_config  # noqa: E402
 from bloomery_jax.quant.repack import repack  # noqa: E402
 from bloomery_jax.synth.blocks import random_blocks  # noqa: E402
@@ -70,10 +77,14 @@ SWEEPS = {
     "output": [C(32, 2, 8, 3), C(32, 4, 8, 3), C(64, 4, 8, 3), C(128, 2, 8, 3), C(64, 1, 8, 3), C(64, 2, 4, 3),
                C(128, 1, 8, 3), C(64, 2, 8, 2)],
 }
+# the q8 kernels take no chunks_per_step; around their default (32, -, 2, 3, 8)
+_Q8 = [C(32, 1, 2, 3, 4), C(32, 1, 4, 3, 4), C(32, 1, 4, 3, 2), C(16, 1, 2, 3, 4), C(64, 1, 4, 3, 2),
+       C(64, 1, 4, 3, 4), C(32, 1, 2, 3, 1), C(16, 1, 1, 3, 8), C(32, 1, 4, 3, 1), C(64, 1, 8, 3, 1)]
+SWEEPS.update(gate_up_q8=_Q8, down_q8=_Q8, down_q4k_q8=_Q8)
 
 
-def packed(qtype: T, shape: tuple, rng):
-    return repack(random_blocks(qtype, shape, WEIGHT_STD, rng), qtype, shape)
+def packed(qtype: T, shape: tuple, rng, layout: str = "planes"):
+    return repack(random_blocks(qtype, shape, WEIGHT_STD, rng), qtype, shape, layout)
 
 
 def copies(tree, r: int):
@@ -113,20 +124,28 @@ def family(name: str, dims: dict, rng, max_copies: int):
     e, f_rows = dims["experts"], dims["ff"]
     n_sets = max(1, min(max_copies, 16))
     experts = [jnp.asarray(rng.permutation(e)[:k], jnp.int32) for _ in range(n_sets)]  # [P] each, one token
-    if name == "gate_up":
-        ws = (packed(T.Q4_K, (e, f_rows, d), rng), packed(T.Q4_K, (e, f_rows, d), rng))
-        key = ("many", "planes", [("Q4_K", f_rows)] * 2, d)
+    q8 = name.endswith("_q8")
+    layout = "ggml" if q8 else "planes"
+    if name.startswith("gate_up"):
+        ws = (packed(T.Q4_K, (e, f_rows, d), rng, layout), packed(T.Q4_K, (e, f_rows, d), rng, layout))
+        key = ("many", "q8" if q8 else "planes", [("Q4_K", f_rows)] * 2, d)
         nbytes = sum(w.nbytes for w in ws) // e * k
 
         def launch(cfg):
+            if q8:
+                return jax.jit(lambda x, ws, sets: [moe_gemv_q8_many(quantize_q8_1(x), ws, ex, pairs_per_row=k, config=cfg,
+                                                                     interpret=INTERP) for ex in sets])
             return jax.jit(lambda x, ws, sets: [moe_gemv_many(x, ws, ex, pairs_per_row=k, config=cfg, interpret=INTERP) for ex in sets])
         return launch, (x, ws, experts), nbytes, key
-    down_type = T.Q6_K if name == "down" else T.Q4_K
-    down = packed(down_type, (e, d, f_rows), rng)
+    down_type = T.Q4_K if name.startswith("down_q4k") else T.Q6_K
+    down = packed(down_type, (e, d, f_rows), rng, layout)
     g, u = (jnp.asarray(rng.standard_normal((k, f_rows)), jnp.float32) for _ in range(2))
-    key = ("single", "planes", down_type.name, d, f_rows)
+    key = ("single", "q8" if q8 else "planes", down_type.name, d, f_rows)
 
     def launch(cfg):
+        if q8:
+            return jax.jit(lambda g, u, w, sets: [(moe_gemv_q8(quantize_q8_1(swiglu(g, u)), w, ex, config=cfg, interpret=INTERP),)
+                                                  for ex in sets])
         return jax.jit(lambda g, u, w, sets: [(moe_gemv(g, w, ex, up=u, config=cfg, interpret=INTERP),) for ex in sets])
     return launch, (g, u, down, experts), down.nbytes // e * k, key
 

@@ -305,10 +305,10 @@ def _part_body(xs: _Rows, store, *, bn: int, interpret: bool):
     return body
 
 
-def _q8_many(ws, k: int, lead: tuple, name: str):
+def _q8_many(ws, k: int, lead: tuple, name: str, config: GemvConfig | None):
     for w in ws:
         _check(w, len(lead) + 2, name)
-    return many_operands(ws, k, lead, name, tuning="q8")
+    return many_operands(ws, k, lead, name, tuning="q8", config=config)
 
 
 def _dense_many_kernel(xq_ref, xd_ref, xs_ref, *refs, parts, bn: int, interpret: bool):
@@ -321,13 +321,13 @@ def _dense_many_kernel(xq_ref, xd_ref, xs_ref, *refs, parts, bn: int, interpret:
     run_parts(pl.program_id(1), refs[:-1], parts, _part_body(xs, store, bn=bn, interpret=interpret))
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def qgemv_q8_many(x: Q8Act, ws: tuple, *, interpret: bool = False) -> tuple:
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def qgemv_q8_many(x: Q8Act, ws: tuple, *, config: GemvConfig | None = None, interpret: bool = False) -> tuple:
     """``tuple(qgemv_q8(x, w) for w in ws)`` in one launch (q, k and v of a layer: decode is
     bound by launches). Per output the sums are :func:`qgemv_q8`'s; the same bound holds with
-    the launch's split (``many_operands``, tuned from the "q8" table)."""
+    the launch's split (``many_operands``: ``config``, else tuned from the "q8" table)."""
     rows, k = x.qs.shape[0], x.qs.shape[1] * 4
-    m = _q8_many(ws, k, (), "qgemv_q8_many")
+    m = _q8_many(ws, k, (), "qgemv_q8_many", config)
     y = pl.pallas_call(
         functools.partial(_dense_many_kernel, parts=m.parts, bn=m.bn, interpret=interpret),
         out_shape=jax.ShapeDtypeStruct((m.split_k, rows, m.tiles * m.bn), F32),
@@ -353,18 +353,19 @@ def _moe_many_kernel(e_ref, xq_ref, xd_ref, xs_ref, *refs, parts, n_experts: int
               view=lambda r: _ExpertView(r, e))
 
 
-@functools.partial(jax.jit, static_argnames=("pairs_per_row", "interpret"))
+@functools.partial(jax.jit, static_argnames=("pairs_per_row", "config", "interpret"))
 def moe_gemv_q8_many(x: Q8Act, ws: tuple, experts: jax.Array, *, pairs_per_row: int = 1,
-                     interpret: bool = False) -> tuple:
+                     config: GemvConfig | None = None, interpret: bool = False) -> tuple:
     """``tuple(moe_gemv_q8(x, w, experts) for w in ws)`` in one launch (gate and up of a layer).
     With ``pairs_per_row`` > 1, x holds one row per token and pair p reads row p // pairs_per_row
-    (token-major routing: nothing copies a token's row k times first)."""
+    (token-major routing: nothing copies a token's row k times first). ``config`` as for
+    :func:`qgemv_q8_many`."""
     n_exp, _, k = ws[0].shape
     n_pairs = experts.shape[0] if experts.ndim == 1 else -1
     if x.qs.ndim != 2 or x.qs.shape[1] * 4 != k or pairs_per_row < 1 or n_pairs != x.qs.shape[0] * pairs_per_row:
         raise ValueError(f"moe_gemv_q8_many: x must hold [P / {pairs_per_row}, {k}] activations and experts [P], "
                          f"got quants {x.qs.shape} and experts {experts.shape}")
-    m = _q8_many(ws, k, (n_exp,), "moe_gemv_q8_many")
+    m = _q8_many(ws, k, (n_exp,), "moe_gemv_q8_many", config)
     y = pl.pallas_call(
         functools.partial(_moe_many_kernel, parts=m.parts, n_experts=n_exp, bn=m.bn, interpret=interpret),
         out_shape=jax.ShapeDtypeStruct((m.split_k, n_pairs, m.tiles * m.bn), F32),
