@@ -121,6 +121,8 @@ overlap)
     python3 scripts/gpu_session.py --out $RES/$v compare
     pack
   done
+  # llama.cpp again at the end: its -ncmoe 36 figure moved 11-45% between calls on one host
+  [ $SECONDS -lt 490 ] && python3 scripts/gpu_session.py --out $RES/llamacpp-after llamacpp --only ncmoe36
   ;;
 link)
   PYTHONPATH=$PYTHONPATH:scripts timeout 200 python3 scripts/link_probe.py --reps 30 --json $RES/link_probe.json \
