@@ -18,6 +18,9 @@
 #           n-cpu-moe=36 bench over the FFI bridge: doorbell signal (HUGE=1: again with the host
 #           experts on huge pages), then (time left) with the host kernels in one parallel
 #           region (BLOOMERY_HOST_REGIONS=1); ratios
+#   targets the hold's first call when device time is short: start_builds, the card under pallas-bf16
+#           and pallas-q8 and the q8 MoE launches while llama.cpp builds, then llama-bench all on
+#           the card and -ncmoe 36, the quarter budget lfu-stream and static (issue 9), ratios
 #   hybrid  host kernel layouts and the three bridges (gpu_session.py host), llama-bench -ncmoe 36,
 #           quarter budget static and lfu-stream over the FFI bridge with $SIGNAL (default
 #           doorbell), ratios; with QPROF=1
@@ -41,7 +44,7 @@
 #           stay in /tmp on a warm machine), then link, then trace or hybrid if device time is left (about 5-10
 #           minutes each; every bench launches decode blocks ahead, bench --no-lookahead not)
 #
-#   run: bash scripts/gpu_hold.sh trace|side|prefill|overlap|hybrid|link|quarter|regions   (ATTN=0 skips the attention bench,
+#   run: bash scripts/gpu_hold.sh trace|side|targets|prefill|overlap|hybrid|link|quarter|regions   (ATTN=0 skips the attention bench,
 #        LKB=0 the launch-config sweep, so that the committed tables are what runs; QPROF=1
 #        adds the quarter profile; HOST_LAYOUTS narrows gpu_session's host sweep)
 set -u
@@ -93,6 +96,25 @@ side)
     BLOOMERY_HOST_REGIONS=1 ${B/--out $RES/--out $RES/regions1} --bridge ffi --signal doorbell bench --only ncmoe36
     python3 scripts/gpu_session.py --out $RES/regions1 compare
   fi
+  ;;
+targets)
+  # one call that measures what the issues' targets need, for a hold that may get only one: the
+  # card (ours under both decode kernels while llama.cpp builds, the q8 MoE launches), then beside
+  # llama.cpp all on the card and -ncmoe 36, the quarter budget static and lfu-stream (issue 9)
+  bash scripts/start_builds.sh
+  for ((t = 0; t < 150; t += 2)); do [ -f /tmp/model48.done ] && break; sleep 2; done
+  $B bench --only card
+  pack
+  Q=${B/--out $RES/--out $RES/q8}
+  mkdir -p $RES/q8; ${Q/--kernels pallas-bf16 /--kernels pallas-q8 } bench --only card; pack
+  [ $SECONDS -lt 200 ] && taskset -c 13-15 timeout 100 python3 scripts/layer_kernel_bench.py --budget-s 80 \
+    --families gate_up_q8,down_q8,down_q4k_q8 --json "$RES/layer_kernels_q8.json" > "$RES/layer_kernels_q8.txt" 2>&1
+  bash scripts/await_builds.sh 300 || exit 1
+  python3 scripts/gpu_session.py --out $RES llamacpp --only card,ncmoe36
+  pack
+  $B --bridge ffi --signal doorbell bench --only quarter-lfu-stream,quarter-static
+  python3 scripts/gpu_session.py --out $RES compare
+  cp $RES/llamacpp.json $RES/q8/ && python3 scripts/gpu_session.py --out $RES/q8 compare
   ;;
 hybrid)
   timeout 200 python3 scripts/gpu_session.py --out $RES host
