@@ -21,6 +21,8 @@
 #   targets the hold's first call when device time is short: start_builds, the card under pallas-bf16
 #           and pallas-q8 and the q8 MoE launches while llama.cpp builds, then llama-bench all on
 #           the card and -ncmoe 36, the quarter budget lfu-stream and static (issue 9), ratios
+#   spins   at once after targets: n-cpu-moe=36 and the quarter lfu-stream with the OpenMP workers
+#           spinning 1M and 10k times (the default), beside llama.cpp -ncmoe 36 before and after
 #   hybrid  host kernel layouts and the three bridges (gpu_session.py host), llama-bench -ncmoe 36,
 #           quarter budget static and lfu-stream over the FFI bridge with $SIGNAL (default
 #           doorbell), ratios; with QPROF=1
@@ -44,7 +46,7 @@
 #           stay in /tmp on a warm machine), then link, then trace or hybrid if device time is left (about 5-10
 #           minutes each; every bench launches decode blocks ahead, bench --no-lookahead not)
 #
-#   run: bash scripts/gpu_hold.sh trace|side|targets|prefill|overlap|hybrid|link|quarter|regions   (ATTN=0 skips the attention bench,
+#   run: bash scripts/gpu_hold.sh trace|side|targets|spins|prefill|overlap|hybrid|link|quarter|regions   (ATTN=0 skips the attention bench,
 #        LKB=0 the launch-config sweep, so that the committed tables are what runs; QPROF=1
 #        adds the quarter profile; HOST_LAYOUTS narrows gpu_session's host sweep)
 set -u
@@ -115,6 +117,22 @@ targets)
   $B --bridge ffi --signal doorbell bench --only quarter-lfu-stream,quarter-static
   python3 scripts/gpu_session.py --out $RES compare
   cp $RES/llamacpp.json $RES/q8/ && python3 scripts/gpu_session.py --out $RES/q8 compare
+  ;;
+spins)
+  # at once after `targets`: does a host call pay for waking Numba's OpenMP workers? They spin
+  # 10,000 times after a region (the default), ~10-30 us, shorter than the card work between two
+  # layer calls; an empty region cost 9.3 us at 1M spins and 79 us passive (nineteenth session).
+  # n-cpu-moe=36 and the quarter lfu-stream at 10k and 1M spins, beside llama.cpp before and after
+  bash scripts/await_builds.sh 240 || exit 1
+  python3 scripts/gpu_session.py --out $RES llamacpp --only ncmoe36
+  for run in ncmoe36:1000000 ncmoe36:10000 quarter-lfu-stream:1000000 quarter-lfu-stream:10000; do
+    [ $SECONDS -gt ${LAST_START:-440} ] && { echo "$run: skipped, the call's time is nearly spent"; continue; }
+    v=spin${run#*:}; mkdir -p $RES/$v && cp $RES/llamacpp.json $RES/$v/
+    GOMP_SPINCOUNT=${run#*:} ${B/--out $RES/--out $RES/$v} --bridge ffi --signal doorbell bench --only ${run%%:*}
+    python3 scripts/gpu_session.py --out $RES/$v compare
+    pack
+  done
+  [ $SECONDS -lt 510 ] && python3 scripts/gpu_session.py --out $RES/llamacpp-after llamacpp --only ncmoe36
   ;;
 hybrid)
   timeout 200 python3 scripts/gpu_session.py --out $RES host
