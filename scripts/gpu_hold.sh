@@ -13,11 +13,9 @@
 #           expert GEMM's tiles for q-bf16 at 512 tokens (moe_prefill_bench.py).
 #           (The sixteenth session dropped the sampler bench, which spent its 90 s compiling,
 #           and the GEMM at 1 and 8 tokens: the GEMV won both, benchmarks/gpu_2026-12-05-s16.)
-#   side    llama-bench all on the card and -ncmoe 36, our card bench (block 8; while the build runs,
-#           again under kernels=pallas-q8 and the q8 MoE launches swept, Q8=0 skips them), our
-#           n-cpu-moe=36 bench over the FFI bridge: doorbell signal (HUGE=1: again with the host
-#           experts on huge pages), then (time left) with the host kernels in one parallel
-#           region (BLOOMERY_HOST_REGIONS=1); ratios
+#   side    llama-bench all on the card and -ncmoe 36, our card bench (block 8), our n-cpu-moe=36
+#           bench over the FFI bridge (doorbell signal; HUGE=1: again with the host experts on huge
+#           pages), ratios
 #   targets the hold's first call when device time is short: start_builds, the card under pallas-bf16
 #           and pallas-q8 and the q8 MoE launches while llama.cpp builds, then llama-bench all on
 #           the card and -ncmoe 36, the quarter budget lfu-stream and static (issue 9), ratios
@@ -30,23 +28,19 @@
 #   overlap the quarter budget (static, lfu-stream) with the mixed layers' host calls whole and
 #           in two halves around their card experts (BLOOMERY_FFI_OVERLAP=0 / 1), then the halves
 #           with the OpenMP workers spinning 1M times (time left), llama-bench -ncmoe 36
+#           (the nineteenth session's `link`, `quarter` and `regions` calls were answered: the link
+#           and the host share DRAM, one parallel region gained nothing; their probes stay in scripts/)
 #           (the eighteenth session replaced `hostab`, answered in the seventeenth: the defaults won)
-#   link    can the link carry some of a decode layer's host experts while the host computes the rest
-#           (scripts/link_probe.py: copies from pinned memory alone, beside the host kernels, and split
-#           layer calls), then the host kernel layouts and the bridges (gpu_session.py host) on the
-#           engine's pinned small pages
-#   quarter without llama.cpp: the 48-layer file, the quarter budget whole and in halves, and in
-#           halves with the host kernels in one parallel region
-#   regions at once after quarter: n-cpu-moe=36 in two parallel regions and in one, host_call_probe.py
 #   prefill the card bench with the prefill products on quant tiles with x in one bf16 part (pallas-bf16,
 #           the default since the sixteenth session, unmeasured end to end) and in two (pallas-qtiles,
 #           the sixteenth session's side-by-side), with time left pallas-q8 and the 8-layer pp512 profile
 #
-#   order: side (it starts the builds itself), overlap at once after it (the build and the file
-#           stay in /tmp on a warm machine), then link, then trace or hybrid if device time is left (about 5-10
-#           minutes each; every bench launches decode blocks ahead, bench --no-lookahead not)
+#   order: targets (it starts the builds itself), spins at once after it (the build and the file
+#           stay in /tmp on a warm machine), then overlap, then side, trace or hybrid if device
+#           time is left (about 5-10 minutes each; every bench launches decode blocks ahead,
+#           bench --no-lookahead not)
 #
-#   run: bash scripts/gpu_hold.sh trace|side|targets|spins|prefill|overlap|hybrid|link|quarter|regions   (ATTN=0 skips the attention bench,
+#   run: bash scripts/gpu_hold.sh trace|side|targets|spins|prefill|overlap|hybrid   (ATTN=0 skips the attention bench,
 #        LKB=0 the launch-config sweep, so that the committed tables are what runs; QPROF=1
 #        adds the quarter profile; HOST_LAYOUTS narrows gpu_session's host sweep)
 set -u
@@ -80,11 +74,6 @@ side)
   bash scripts/start_builds.sh  # (nothing when the trace call's builds run or are done)
   for ((t = 0; t < 150; t += 2)); do [ -f /tmp/model48.done ] && break; sleep 2; done  # the file, written and synced
   $B bench --only card  # while a build may still have cores 0-11: the card bench waits on the card
-  # (twentieth session) the card under integer dot products at decode, end to end and per MoE launch
-  Q=${B/--out $RES/--out $RES/q8}
-  [ "${Q8:-1}" = 1 ] && { mkdir -p $RES/q8; ${Q/--kernels pallas-bf16 /--kernels pallas-q8 } bench --only card; pack
-    taskset -c 13-15 timeout 100 python3 scripts/layer_kernel_bench.py --budget-s 80 --families gate_up_q8,down_q8,down_q4k_q8 \
-      --json "$RES/layer_kernels_q8.json" > "$RES/layer_kernels_q8.txt" 2>&1; cut -c1-90 "$RES/layer_kernels_q8.txt"; }
   bash scripts/await_builds.sh 300 || exit 1
   python3 scripts/gpu_session.py --out $RES llamacpp --only card,ncmoe36
   pack
@@ -92,12 +81,6 @@ side)
   pack
   [ "${HUGE:-0}" = 1 ] && $B --bridge ffi --signal doorbell --pages huge bench --only ncmoe36  # refuted on the H100 (s14)
   python3 scripts/gpu_session.py --out $RES compare
-  # the host kernels in one parallel region with shared counters (the nineteenth session's A/B)
-  if [ $SECONDS -lt 460 ]; then
-    mkdir -p $RES/regions1 && cp $RES/llamacpp.json $RES/regions1/
-    BLOOMERY_HOST_REGIONS=1 ${B/--out $RES/--out $RES/regions1} --bridge ffi --signal doorbell bench --only ncmoe36
-    python3 scripts/gpu_session.py --out $RES/regions1 compare
-  fi
   ;;
 targets)
   # one call that measures what the issues' targets need, for a hold that may get only one: the
@@ -163,37 +146,6 @@ overlap)
   done
   # llama.cpp again at the end: its -ncmoe 36 figure moved 11-45% between calls on one host
   [ $SECONDS -lt 490 ] && python3 scripts/gpu_session.py --out $RES/llamacpp-after llamacpp --only ncmoe36
-  ;;
-link)
-  PYTHONPATH=$PYTHONPATH:scripts timeout 200 python3 scripts/link_probe.py --reps 30 --json $RES/link_probe.json \
-    > $RES/link_probe.txt 2>&1; echo "link probe: rc $?"; tail -c 2500 $RES/link_probe.txt
-  HOST_LAYOUTS=${HOST_LAYOUTS:-0:2,0:4,0:8,64:2} HOST_MEMORY=${HOST_MEMORY:-small} timeout 240 \
-    python3 scripts/gpu_session.py --out $RES host
-  ;;
-quarter)
-  # without llama.cpp (for a hold too short to build it): the 48-layer file on every core, then
-  # the quarter budget with the mixed layers' host calls whole and in halves, and in halves with
-  # the host kernels in one parallel region; lfu-stream first, the faster runs, where a call may
-  # be cut short (each run packed as it ends)
-  [ -f /tmp/model48.done ] || { python3 scripts/gpu_session.py --out $RES model; rc=$?; sync; echo $rc > /tmp/model48.done; }
-  for run in lfu-stream:whole lfu-stream:halves lfu-stream:halves-regions1 static:halves static:whole; do
-    q=quarter-${run%%:*} v=${run#*:}
-    [ $SECONDS -gt ${LAST_START:-470} ] && { echo "$run: skipped, the call's time is nearly spent"; continue; }
-    mkdir -p $RES/$v
-    BLOOMERY_HOST_REGIONS=$([ $v = halves-regions1 ] && echo 1 || echo 2) BLOOMERY_FFI_OVERLAP=$([ $v = whole ] \
-      && echo 0 || echo 1) ${B/--out $RES/--out $RES/$v} --bridge ffi --signal doorbell bench --only $q
-    pack
-  done
-  ;;
-regions)
-  # at once after `quarter`: n-cpu-moe=36 in two parallel regions and in one, then the fixed cost
-  # of a host call under each kernel layout and spin count
-  for r in 2 1; do
-    mkdir -p $RES/regions$r
-    BLOOMERY_HOST_REGIONS=$r ${B/--out $RES/--out $RES/regions$r} --bridge ffi --signal doorbell bench --only ncmoe36
-  done
-  [ $SECONDS -lt 300 ] && timeout 220 python3 scripts/host_call_probe.py --reps 40 --waits 10k,1M \
-    --json $RES/host_call_probe.json > $RES/host_call_probe.txt 2>&1
   ;;
 prefill)
   # the card bench with the prefill products on quant tiles with x in one bf16 part (pallas-bf16, the
