@@ -16,11 +16,13 @@
 #   side    llama-bench all on the card and -ncmoe 36, our card bench (block 8), our n-cpu-moe=36
 #           bench over the FFI bridge (doorbell signal; HUGE=1: again with the host experts on huge
 #           pages), ratios
-#   targets the hold's first call when device time is short: start_builds, the card under pallas-bf16
-#           and pallas-q8 and the q8 MoE launches while llama.cpp builds, then llama-bench all on
-#           the card and -ncmoe 36, the quarter budget lfu-stream and static (issue 9), ratios
-#   spins   at once after targets: n-cpu-moe=36 and the quarter lfu-stream with the OpenMP workers
-#           spinning 1M and 10k times (the default), beside llama.cpp -ncmoe 36 before and after
+#   targets the hold's first call: start_builds, our card bench while llama.cpp builds, then
+#           llama-bench all on the card and -ncmoe 36, the quarter budget lfu-stream and (time
+#           left) static (issue 9), ratios. (The twentieth session's pallas-q8 card bench is
+#           answered: 269.2 against 276.0 tok/s; layer_kernel_bench.py's *_q8 families stay.)
+#   spins   at once after targets: the quarter static at the default spin count, then the quarter
+#           lfu-stream and n-cpu-moe=36 with the OpenMP workers spinning 1M and 10k times (the
+#           default), beside llama.cpp -ncmoe 36 before and after
 #   hybrid  host kernel layouts and the three bridges (gpu_session.py host), llama-bench -ncmoe 36,
 #           quarter budget static and lfu-stream over the FFI bridge with $SIGNAL (default
 #           doorbell), ratios; with QPROF=1
@@ -83,32 +85,33 @@ side)
   python3 scripts/gpu_session.py --out $RES compare
   ;;
 targets)
-  # one call that measures what the issues' targets need, for a hold that may get only one: the
-  # card (ours under both decode kernels while llama.cpp builds, the q8 MoE launches), then beside
-  # llama.cpp all on the card and -ncmoe 36, the quarter budget static and lfu-stream (issue 9)
+  # one call that measures what the issues' targets need, for a hold that may get only one: our
+  # card bench while llama.cpp builds, then beside llama.cpp all on the card and -ncmoe 36, the
+  # quarter budget lfu-stream and static (issue 9). On a fresh machine each of our benches
+  # compiles cold (100-135 s; twentieth session), so the quarter budget may not fit: `spins`
+  # after it measures both again
   bash scripts/start_builds.sh
   for ((t = 0; t < 150; t += 2)); do [ -f /tmp/model48.done ] && break; sleep 2; done
   $B bench --only card
   pack
-  Q=${B/--out $RES/--out $RES/q8}
-  mkdir -p $RES/q8; ${Q/--kernels pallas-bf16 /--kernels pallas-q8 } bench --only card; pack
-  [ $SECONDS -lt 200 ] && taskset -c 13-15 timeout 100 python3 scripts/layer_kernel_bench.py --budget-s 80 \
-    --families gate_up_q8,down_q8,down_q4k_q8 --json "$RES/layer_kernels_q8.json" > "$RES/layer_kernels_q8.txt" 2>&1
   bash scripts/await_builds.sh 300 || exit 1
   python3 scripts/gpu_session.py --out $RES llamacpp --only card,ncmoe36
   pack
-  $B --bridge ffi --signal doorbell bench --only quarter-lfu-stream,quarter-static
+  $B --bridge ffi --signal doorbell bench --only quarter-lfu-stream
+  pack
+  [ $SECONDS -lt 400 ] && $B --bridge ffi --signal doorbell bench --only quarter-static
   python3 scripts/gpu_session.py --out $RES compare
-  cp $RES/llamacpp.json $RES/q8/ && python3 scripts/gpu_session.py --out $RES/q8 compare
   ;;
 spins)
   # at once after `targets`: does a host call pay for waking Numba's OpenMP workers? They spin
-  # 10,000 times after a region (the default), ~10-30 us, shorter than the card work between two
-  # layer calls; an empty region cost 9.3 us at 1M spins and 79 us passive (nineteenth session).
-  # n-cpu-moe=36 and the quarter lfu-stream at 10k and 1M spins, beside llama.cpp before and after
+  # 10,000 times after a region (the default; how long that lasts depends on the CPU's pause
+  # instruction), then sleep until the next region. An empty region cost 9.3 us at 1M spins and
+  # 79 us passive (nineteenth session); a decode host call's fixed part was ~120 us (twentieth).
+  # the quarter static (issue 9's base), the quarter lfu-stream and n-cpu-moe=36 at 1M and 10k
+  # spins, beside llama.cpp before and after
   bash scripts/await_builds.sh 240 || exit 1
   python3 scripts/gpu_session.py --out $RES llamacpp --only ncmoe36
-  for run in ncmoe36:1000000 ncmoe36:10000 quarter-lfu-stream:1000000 quarter-lfu-stream:10000; do
+  for run in quarter-static:10000 quarter-lfu-stream:1000000 quarter-lfu-stream:10000 ncmoe36:1000000 ncmoe36:10000; do
     [ $SECONDS -gt ${LAST_START:-440} ] && { echo "$run: skipped, the call's time is nearly spent"; continue; }
     v=spin${run#*:}; mkdir -p $RES/$v && cp $RES/llamacpp.json $RES/$v/
     GOMP_SPINCOUNT=${run#*:} ${B/--out $RES/--out $RES/$v} --bridge ffi --signal doorbell bench --only ${run%%:*}
