@@ -46,8 +46,8 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from bloomery_jax.ops.experts import swiglu  # noqa: E402
 from bloomery_jax.ops.actquant import quantize_q8_1  # noqa: E402
+from bloomery_jax.ops.experts import swiglu  # noqa: E402
 from bloomery_jax.ops.qmatmul import interpret_kernels  # noqa: E402
 from bloomery_jax.pallas.moe_gemv import moe_gemv, moe_gemv_many  # noqa: E402
 from bloomery_jax.pallas.qgemv import qgemv, qgemv_many  # noqa: E402
