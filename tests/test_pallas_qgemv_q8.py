@@ -12,6 +12,8 @@ with a 1% margin for second-order terms.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -143,6 +145,47 @@ def test_moe_many_in_one_launch():
     for y, w, raw, q in zip(moe_gemv_q8_many(xa, ws, experts, interpret=True), ws, raws, (T.Q4_K, T.Q5_K)):
         w64 = np.asarray(dequantize(raw, q, (e, 32, 512)), np.float64)
         assert ratios(y, xa, w64[ex], np.asarray(scale_magnitudes(w, stored_quants=True), np.float64)[ex], q, 512, cfg).max() <= 1.0
+
+
+def _pallas_grids(fn, *args) -> list[tuple]:
+    """The grid of every Pallas call in ``fn``'s jaxpr."""
+    grids = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                grids.append(tuple(eqn.params["grid_mapping"].grid))
+            for v in eqn.params.values():
+                if hasattr(v, "jaxpr"):
+                    walk(v.jaxpr if hasattr(v.jaxpr, "eqns") else v.jaxpr.jaxpr)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return grids
+
+
+def test_many_launches_take_the_callers_config():
+    """``qgemv_q8_many`` and ``moe_gemv_q8_many`` launch with a config the caller gives (what
+    layer_kernel_bench.py sweeps): its split and row tile set the grid, and each output stays
+    within that config's bound."""
+    from bloomery_jax.pallas.qgemv_q8 import moe_gemv_q8_many, qgemv_q8_many
+
+    rng = np.random.default_rng(64)
+    e = 4
+    raws = [np.stack([weight(T.Q4_K, 32, 512, rng) for _ in range(e)]) for _ in range(2)]
+    ws = tuple(repack(r, T.Q4_K, (e, 32, 512), "ggml") for r in raws)
+    experts = jnp.asarray(rng.integers(0, e, 5), jnp.int32)
+    xa = quantize_q8_1(jnp.asarray(rng.standard_normal((5, 512)), jnp.float32))
+    cfg = GemvConfig(16, 1, 4, 3, 1)  # 2 row tiles of 16 a weight, no split (the default splits in 2)
+    moe = lambda x, ws, e, config=None: moe_gemv_q8_many(x, ws, e, config=config, interpret=True)  # noqa: E731
+    assert _pallas_grids(moe, xa, ws, experts) == [(2, 5, 2)]
+    assert _pallas_grids(functools.partial(moe, config=cfg), xa, ws, experts) == [(1, 5, 4)]
+    ex = np.asarray(experts)
+    for y, w, raw in zip(moe(xa, ws, experts, cfg), ws, raws):
+        w64 = np.asarray(dequantize(raw, T.Q4_K, (e, 32, 512)), np.float64)
+        mag = np.asarray(scale_magnitudes(w, stored_quants=True), np.float64)[ex]
+        assert ratios(y, xa, w64[ex], mag, T.Q4_K, 512, cfg).max() <= 1.0
+    dense = tuple(repack(r[0], T.Q4_K, (32, 512), "ggml") for r in raws)
+    assert _pallas_grids(lambda x, ws: qgemv_q8_many(x, ws, config=cfg, interpret=True), xa, dense) == [(1, 4)]
 
 
 def test_moe_many_pairs_share_their_token_row():
