@@ -485,6 +485,28 @@ def test_one_region_with_more_threads_than_cores():
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
 
 
+@pytest.mark.slow
+def test_parallel_regions_are_the_prange_loops():
+    """Every parallel loop of the kernel is one of its prange loops. Inside a parallel=True
+    function numpy calls that make arrays (np.zeros, .copy(), np.arange) become parallel loops
+    too, each a fork and join of every worker for a few bytes: a decode call made two such
+    regions before its two phases, and the one-region layout three in all (twentieth session).
+    A fresh compile (~100 s on CI's cores) is the only way to the parallel pass's account."""
+    import inspect
+
+    from bloomery_jax.host import swiglu
+
+    x, experts, weights = _routing(np.random.default_rng(15), 1, 2)
+    host_moe_swiglu(x, experts, weights, np.ones(E, bool), _layer("Q8_0"))
+    sig = swiglu._moe_kernel.signatures[0]
+    fresh = numba.njit(parallel=True, fastmath=True, nogil=True)(swiglu._moe_kernel.py_func)
+    fresh.compile(sig)
+    loops = fresh.get_metadata(sig)["parfor_diagnostics"].initial_parfors
+    src, first = inspect.getsourcelines(swiglu._moe_kernel.py_func)
+    pranges = sorted(first + i for i, line in enumerate(src) if "prange(" in line)
+    assert sorted(p.loc.line for p in loops) == pranges
+
+
 def test_regions_setting_is_checked():
     layer = _layer("Q8_0")
     x, experts, weights = _routing(np.random.default_rng(14), 1, 2)

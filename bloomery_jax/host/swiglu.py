@@ -122,6 +122,8 @@ def _regions(regions: int, what: str = "host_moe_swiglu: regions") -> int:
 # (~9 us with 14 spinning workers on the H100's host, scripts/host_call_probe.py); 1, one region
 # whose threads take items from shared counters and wait for the previous phase's items
 # (atomics). The same dots in the same order either way. BLOOMERY_HOST_REGIONS sets the default.
+# (Until the twentieth session two array fills in the kernel were regions of their own: a call
+# made four, and one "region" three; its measurement, no gain, was of that.)
 REGIONS = _regions(int(os.environ.get("BLOOMERY_HOST_REGIONS", "2")), "BLOOMERY_HOST_REGIONS")
 # In one region with shares (ROWS_PER_ITEM 0): shares a thread, taken as threads free up, so a
 # thread slowed by a neighbour leaves its last shares to the others. 1: one share each, as with
@@ -404,6 +406,13 @@ def _row_buffers(K):
 
 
 @njit(cache=True, nogil=True)
+def _zeros(n):
+    # int64 [n] zeros, made outside the parallel kernel: there np.zeros (like .copy() and
+    # np.arange) becomes a parallel loop, a fork and join of every worker for a few bytes
+    return np.zeros(n, np.int64)
+
+
+@njit(cache=True, nogil=True)
 def _act_buffers(M, K):
     # float32 sums per 32 | Q8_K quants (int16), scales, sums per 32, quants as int8, sums per 16 |
     # Q8_0 quants (int16), scales
@@ -553,7 +562,9 @@ def _moe_kernel(out, x, experts, weights, on_host, gw, uw, dw, gfmt, ufmt, dfmt,
     out[:] = 0.0
 
     # Group the host pairs by expert (serial: O(N k + E)). Pair p = (token pair_tok[p], expert).
-    start = np.zeros(E + 1, np.int64)
+    # The only parallel regions are the prange loops below (no array expressions here: each
+    # would be a region of its own, test_host_experts.py counts them).
+    start = _zeros(E + 1)
     for n in range(N):
         for j in range(k):
             e = experts[n, j]
@@ -564,7 +575,9 @@ def _moe_kernel(out, x, experts, weights, on_host, gw, uw, dw, gfmt, ufmt, dfmt,
     P = start[E]
     if P == 0:
         return out
-    fill = start[:E].copy()
+    fill = _zeros(E)
+    for e in range(E):
+        fill[e] = start[e]
     pair_tok = np.empty(P, np.int64)
     pair_w = np.empty(P, np.float32)
     for n in range(N):
@@ -581,7 +594,9 @@ def _moe_kernel(out, x, experts, weights, on_host, gw, uw, dw, gfmt, ufmt, dfmt,
         if start[e + 1] > start[e]:
             G += 1
             maxc = max(maxc, start[e + 1] - start[e])
-    pids = np.arange(P)
+    pids = _zeros(P)
+    for p in range(P):
+        pids[p] = p
     gexp = np.empty(G, np.int64)
     g = 0
     for e in range(E):
@@ -618,7 +633,7 @@ def _moe_kernel(out, x, experts, weights, on_host, gw, uw, dw, gfmt, ufmt, dfmt,
         # iterations of the prange finishes whatever it took before it waits, so nothing can wait
         # on an item that is not running). Counters a cache line apart: taken / finished for
         # phase 1, the hidden rows' preparation, phase 2.
-        counter = np.zeros(5 * 8, np.int64)
+        counter = _zeros(5 * 8)
         for _ in prange(nthreads):
             it = _take(counter, 0, n1)
             while it >= 0:
