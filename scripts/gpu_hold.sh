@@ -56,6 +56,7 @@ K="--kernels ${KERNELS:-pallas-bf16} --attention pallas --routing pallas"  # the
 B="python3 scripts/gpu_session.py --out $RES --reps 3 --parallel 1 $K --decode-block 8 --variant-timeout 220"
 M8=/tmp/bloomery/qwen3-30b-a3b-shape-8l-q4km.gguf
 pack() { tar czf "$OUT/$call.tgz" -C "$RES" .; }  # also between runs, where a call may be cut short
+file_ready() { for ((t = 0; t < 150; t += 2)); do [ -f /tmp/model48.done ] && break; sleep 2; done; }  # written and synced
 case $call in
 trace)
   VARIANTS="${VARIANTS:-graph block8 block8_dev}" OUT=$RES bash scripts/graph_trace_probe.sh
@@ -74,7 +75,7 @@ trace)
   ;;
 side)
   bash scripts/start_builds.sh  # (nothing when the trace call's builds run or are done)
-  for ((t = 0; t < 150; t += 2)); do [ -f /tmp/model48.done ] && break; sleep 2; done  # the file, written and synced
+  file_ready
   $B bench --only card  # while a build may still have cores 0-11: the card bench waits on the card
   bash scripts/await_builds.sh 300 || exit 1
   python3 scripts/gpu_session.py --out $RES llamacpp --only card,ncmoe36
@@ -91,7 +92,7 @@ targets)
   # compiles cold (100-135 s; twentieth session), so the quarter budget may not fit: `spins`
   # after it measures both again
   bash scripts/start_builds.sh
-  for ((t = 0; t < 150; t += 2)); do [ -f /tmp/model48.done ] && break; sleep 2; done
+  file_ready
   $B bench --only card
   pack
   bash scripts/await_builds.sh 300 || exit 1
