@@ -56,7 +56,18 @@ K="--kernels ${KERNELS:-pallas-bf16} --attention pallas --routing pallas"  # the
 B="python3 scripts/gpu_session.py --out $RES --reps 3 --parallel 1 $K --decode-block 8 --variant-timeout 220"
 M8=/tmp/bloomery/qwen3-30b-a3b-shape-8l-q4km.gguf
 pack() { tar czf "$OUT/$call.tgz" -C "$RES" .; }  # also between runs, where a call may be cut short
-file_ready() { for ((t = 0; t < 150; t += 2)); do [ -f /tmp/model48.done ] && break; sleep 2; done; }  # written and synced
+# side's and targets' start: the builds (nothing when the trace call's run or are done), our card
+# bench once the file is written and synced (a build may still have cores 0-11: the card bench
+# waits on the card), then llama-bench all on the card and -ncmoe 36
+card_beside_llamacpp() {
+  bash scripts/start_builds.sh
+  for ((t = 0; t < 150; t += 2)); do [ -f /tmp/model48.done ] && break; sleep 2; done
+  $B bench --only card
+  pack
+  bash scripts/await_builds.sh 300 || exit 1
+  python3 scripts/gpu_session.py --out $RES llamacpp --only card,ncmoe36
+  pack
+}
 case $call in
 trace)
   VARIANTS="${VARIANTS:-graph block8 block8_dev}" OUT=$RES bash scripts/graph_trace_probe.sh
@@ -74,12 +85,7 @@ trace)
   grep -h '"config"' "$RES/moe_prefill_T512.jsonl" | cut -c1-160
   ;;
 side)
-  bash scripts/start_builds.sh  # (nothing when the trace call's builds run or are done)
-  file_ready
-  $B bench --only card  # while a build may still have cores 0-11: the card bench waits on the card
-  bash scripts/await_builds.sh 300 || exit 1
-  python3 scripts/gpu_session.py --out $RES llamacpp --only card,ncmoe36
-  pack
+  card_beside_llamacpp
   $B --bridge ffi --signal doorbell bench --only ncmoe36
   pack
   [ "${HUGE:-0}" = 1 ] && $B --bridge ffi --signal doorbell --pages huge bench --only ncmoe36  # refuted on the H100 (s14)
@@ -91,13 +97,7 @@ targets)
   # quarter budget lfu-stream and static (issue 9). On a fresh machine each of our benches
   # compiles cold (100-135 s; twentieth session), so the quarter budget may not fit: `spins`
   # after it measures both again
-  bash scripts/start_builds.sh
-  file_ready
-  $B bench --only card
-  pack
-  bash scripts/await_builds.sh 300 || exit 1
-  python3 scripts/gpu_session.py --out $RES llamacpp --only card,ncmoe36
-  pack
+  card_beside_llamacpp
   $B --bridge ffi --signal doorbell bench --only quarter-lfu-stream
   pack
   [ $SECONDS -lt 400 ] && $B --bridge ffi --signal doorbell bench --only quarter-static
