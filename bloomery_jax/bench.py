@@ -159,7 +159,8 @@ def run_parallel(model, args, parallel: int, progress, rng) -> tuple[list[dict],
                 tg.append(parallel * n / t)
                 if host is not None:  # the host kernels' share of this decode: its calls and seconds alone
                     after = _host_totals(host)
-                    host_decode.append((after[0] - before[0], after[1] - before[1], t))
+                    host_decode.append((after[0] - before[0], after[1] - before[1], t,
+                                        [a - b for a, b in zip(after[2], before[2])]))
                 if engine.routed_calls:  # host experts: how much of this decode the card served, early and late
                     edge = -(-16 // args.decode_block)  # the calls holding the first / last 16 steps
                     edges.append((_served(calls[:edge]), _served(calls[-edge:])))
@@ -179,20 +180,35 @@ def run_parallel(model, args, parallel: int, progress, rng) -> tuple[list[dict],
         records[-1]["placement"]["decode_last16_card_fraction"] = statistics.median(e[1] for e in edges)
     if host_decode and n > 0:  # the timed decodes only (the run's totals above count warm-up and prefill too)
         stats = records[-1]["placement"]
-        stats["decode_host_calls"] = statistics.median(c for c, _, _ in host_decode)
-        stats["decode_host_share"] = statistics.median(s / t for _, s, t in host_decode)
-        per_call = [s / c * 1e3 for c, s, _ in host_decode if c]
+        stats["decode_host_calls"] = statistics.median(c for c, _, _, _ in host_decode)
+        stats["decode_host_share"] = statistics.median(s / t for _, s, t, _ in host_decode)
+        per_call = [s / c * 1e3 for c, s, _, _ in host_decode if c]
         if per_call:
             stats["decode_host_ms_per_call"] = statistics.median(per_call)
+            stats["decode_host_us_per_call_split"] = _call_split([(c, d) for c, _, _, d in host_decode if c])
     return records, compile_s
 
 
-def _host_totals(host) -> tuple[int, float] | None:
-    """The host bridge's calls and kernel seconds so far (None without one)."""
+def _host_totals(host) -> tuple[int, float, tuple] | None:
+    """The host bridge's calls, kernel seconds and kernel tick spans so far (None without one)."""
     if host is None:
         return None
     stats = host.stats
-    return stats.calls, stats.seconds
+    return stats.calls, stats.seconds, stats.ticks
+
+
+def _call_split(decodes: list[tuple[int, list[int]]]) -> dict:
+    """Where a decode's host call goes, in us a call (medians over the timed decodes, each given as
+    its calls and tick spans, swiglu.SPANS): the serial part (grouping the pairs, buffers, rounding
+    the activations), the wait for the last worker to start (wake), the work, and the wait from the
+    last work item's end to the region's end (join)."""
+    from .host.swiglu import SPAN_CALL, SPAN_JOIN, SPAN_REGIONS, SPAN_WAKE
+    from .host.ticks import ticks_per_second
+
+    us = 1e6 / ticks_per_second()
+    parts = {"serial": lambda d: d[SPAN_CALL] - d[SPAN_REGIONS], "wake": lambda d: d[SPAN_WAKE],
+             "work": lambda d: d[SPAN_REGIONS] - d[SPAN_WAKE] - d[SPAN_JOIN], "join": lambda d: d[SPAN_JOIN]}
+    return {name: round(statistics.median(part(d) * us / c for c, d in decodes), 2) for name, part in parts.items()}
 
 
 def _chunks_used(engine, depth: int, n_prompt: int) -> list[int]:

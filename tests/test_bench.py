@@ -58,6 +58,9 @@ def test_host_share_of_the_timed_decodes(model_path):
     assert 0 < stats["decode_host_calls"] <= 6 * n_layers < stats["host_calls"]
     assert 0 < stats["decode_host_share"] <= 1 and stats["decode_host_ms_per_call"] > 0
     assert stats["decode_host_ms_per_call"] * 1e-3 * stats["decode_host_calls"] < stats["host_kernel_s"]
+    split = stats["decode_host_us_per_call_split"]  # medians of each part: their sum is near a call's time
+    assert set(split) == {"serial", "wake", "work", "join"} and min(split.values()) >= 0 and split["work"] > 0
+    assert sum(split.values()) < 1.5e3 * stats["decode_host_ms_per_call"]
 
 
 def test_depth_and_table(model_path):

@@ -507,6 +507,27 @@ def test_parallel_regions_are_the_prange_loops():
     assert sorted(p.loc.line for p in loops) == pranges
 
 
+@pytest.mark.parametrize("regions", [1, 2])
+def test_tick_spans_nest(regions):
+    """A call's tick spans (swiglu.SPANS) add up: the call holds its regions, a region its wait for
+    the workers to start and its join; a call with no host pair has no region at all. The spans
+    only watch: the output is the same with or without them."""
+    from bloomery_jax.host.swiglu import SPANS
+    from bloomery_jax.host.ticks import ticks_per_second
+
+    layer = _layer("Q4_K_M")
+    x, experts, weights = _routing(np.random.default_rng(16), 2, 4)
+    spans = np.zeros(len(SPANS), np.int64)
+    y = host_moe_swiglu(x, experts, weights, np.ones(E, bool), layer, regions=regions, spans=spans)
+    np.testing.assert_array_equal(y, host_moe_swiglu(x, experts, weights, np.ones(E, bool), layer, regions=regions))
+    call, region, wake, join = spans
+    assert call > region > wake + join and wake >= 0 and join >= 0
+    idle = np.zeros(len(SPANS), np.int64)
+    host_moe_swiglu(x, experts, weights, np.zeros(E, bool), layer, regions=regions, spans=idle)
+    assert idle[0] > 0 and not idle[1:].any()
+    assert 1e8 < ticks_per_second() < 1e11  # x86's counter: ~1-5 GHz
+
+
 def test_regions_setting_is_checked():
     layer = _layer("Q8_0")
     x, experts, weights = _routing(np.random.default_rng(14), 1, 2)

@@ -73,7 +73,9 @@ def test_dynamic_chunks_give_the_same_result(monkeypatch):
 
 
 def test_counts_calls_pairs_and_time():
-    _, ffi = _bridges(["Q8_0"], 1)
+    """Also the kernel's tick spans, in the record's TICKS_* words: a whole call holds its regions,
+    and a region its wait for the workers and its join."""
+    _, ffi = _bridges(["Q8_0"], 2)
     rng = np.random.default_rng(1)
     x, experts, weights = _routing(rng, 4, 2)
     on_host = np.arange(E) % 2 == 0
@@ -82,6 +84,8 @@ def test_counts_calls_pairs_and_time():
         step(x, experts, weights, on_host).block_until_ready()
     st = ffi.stats
     assert st.calls == 3 and st.pairs == 3 * int(on_host[experts].sum()) and st.seconds > 0
+    call, regions, wake, join = st.ticks
+    assert call > regions > wake + join and wake >= 0 and join >= 0
 
 
 def test_a_cleared_slot_is_an_error_not_a_crash():

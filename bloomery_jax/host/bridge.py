@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .memory import host_buffer, resolve_pages
-from .swiglu import EXPERT_ROLES, HostExpertLayer, host_moe_swiglu
+from .swiglu import EXPERT_ROLES, SPANS, HostExpertLayer, host_moe_swiglu
 
 
 # Cores the host experts leave to the threads that wait on the GPU (the step's, the CUDA driver's,
@@ -58,6 +58,7 @@ class BridgeStats:
     pairs: int = 0  # (token, expert) pairs computed on the host
     seconds: float = 0.0  # inside host_moe_swiglu
     streamed_bytes: int = 0  # expert bytes handed to steps by ``stream`` (prefill streaming)
+    ticks: tuple = (0,) * len(SPANS)  # the kernels' tick spans, summed (swiglu.SPANS)
 
 
 class HostBridge:
@@ -143,11 +144,13 @@ class HostBridge:
         x = np.asarray(h, np.float32)
         experts = np.asarray(experts, np.int32)
         on_host = np.asarray(on_host, bool)
+        spans = np.zeros(len(SPANS), np.int64)
         t0 = time.perf_counter()
-        y = host_moe_swiglu(x, experts, np.asarray(weights, np.float32), on_host, self.layers[i])
+        y = host_moe_swiglu(x, experts, np.asarray(weights, np.float32), on_host, self.layers[i], spans=spans)
         dt = time.perf_counter() - t0
         with self._lock:
             self._stats.calls += 1
             self._stats.pairs += int(on_host[experts].sum())
             self._stats.seconds += dt
+            self._stats.ticks = tuple(int(a + b) for a, b in zip(self._stats.ticks, spans))
         return y

@@ -5,7 +5,8 @@ Contract. ``layer_entry.address`` is a C function
 the five addresses are float32 ``x [n, D]``, int32 ``experts [n, k]``, float32 ``weights [n, k]``,
 bool ``on_host [E]`` and float32 ``out [n, D]``, and the record (``ffi.Field`` words) holds the
 layer's dimensions, the addresses of its three expert tensors (uint8 ``[E, rows, row_bytes]``)
-and of the conversion tables, and the kernel settings. It runs ``swiglu._moe_kernel`` on those
+and of the conversion tables, and the kernel settings; the kernel adds its tick spans to the
+record's ``TICKS_*`` words. It runs ``swiglu._moe_kernel`` on those
 views, so its result is the pure_callback bridge's bit for bit at the same thread count.
 It holds no GIL and may run on any thread (the CUDA driver's host-function thread); the caller
 sets that thread's Numba thread count first (``SET_THREADS``: a call to Numba's own
@@ -20,7 +21,7 @@ from numba import carray, cfunc, types
 from numba.extending import intrinsic
 
 from . import ffi_layout as F
-from .swiglu import _TAB16, _moe_kernel
+from .swiglu import _TAB16, SPANS, _moe_kernel
 
 TABLE_LEN = _TAB16.shape[0]  # both conversion tables: float32 [65536]
 
@@ -57,6 +58,7 @@ def layer_entry(rec, x, experts, weights, on_host, out, n):
     dw = carray(_pointer(rec[F.DOWN], np.uint8), (E, D, rec[F.DOWN_ROW_BYTES]))
     tab16 = carray(_pointer(rec[F.TAB16], np.float32), (TABLE_LEN,))
     tabbf = carray(_pointer(rec[F.TABBF], np.float32), (TABLE_LEN,))
+    spans = carray(rec, (F.WORDS,))[F.TICKS:F.TICKS + len(SPANS)]
     _moe_kernel(oa, xa, ea, wa, ha, gw, uw, dw, rec[F.GATE_FMT], rec[F.UP_FMT], rec[F.DOWN_FMT], rec[F.Q8] != 0,
                 tab16, tabbf, rec[F.ROWS_PER_ITEM], rec[F.THREADS], rec[F.MULTI_MIN1], rec[F.MULTI_MIN2],
-                rec[F.PREFETCH_ROWS], rec[F.REGIONS], rec[F.PARTS])
+                rec[F.PREFETCH_ROWS], rec[F.REGIONS], rec[F.PARTS], spans)

@@ -42,7 +42,7 @@ from ..errors import ConfigError
 from . import ffi_layout as F
 from .bridge import BridgeStats, HostBridge
 from .memory import host_buffer, mapped_bytes
-from .swiglu import (_TAB16, _TABBF, CHUNKSIZE, EXPERT_ROLES, PARTS, PREFETCH_ROWS, REGIONS, ROWS_PER_ITEM,
+from .swiglu import (_TAB16, _TABBF, CHUNKSIZE, EXPERT_ROLES, PARTS, PREFETCH_ROWS, REGIONS, ROWS_PER_ITEM, SPANS,
                      HostExpertLayer, kernel_settings)
 
 SOURCE = Path(__file__).resolve().parent / "ffi_bridge.cc"
@@ -261,7 +261,8 @@ class FfiHostBridge(HostBridge):
         recs = self._records.values()
         return BridgeStats(calls=int(sum(r[F.CALLS] for r in recs)), pairs=int(sum(r[F.PAIRS] for r in recs)),
                            seconds=sum(int(r[F.NANOS]) for r in recs) * 1e-9,
-                           streamed_bytes=int(sum(r[F.STREAMED] for r in recs)))
+                           streamed_bytes=int(sum(r[F.STREAMED] for r in recs)),
+                           ticks=tuple(int(sum(r[F.TICKS + j] for r in recs)) for j in range(len(SPANS))))
 
     def moe(self, i: int, h: jax.Array, experts: jax.Array, weights: jax.Array, on_host: jax.Array) -> jax.Array:
         """As :meth:`HostBridge.moe`, through the custom call."""

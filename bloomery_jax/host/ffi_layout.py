@@ -15,6 +15,7 @@ FIELDS = (
     "STAGE_TOKENS", "STAGE_IN", "STAGE_OUT",
     "SIGNAL",  # CUDA only: how the stream hands a call to the host (SIGNALS' index)
     "CALLS", "PAIRS", "NANOS",  # counters, added to by the host function
+    "TICKS", "TICKS_REGIONS", "TICKS_WAKE", "TICKS_JOIN",  # the kernel's tick spans (swiglu.SPANS), likewise
     "STREAMED",  # expert bytes copied by the stream handler
 )
 WORDS = len(FIELDS)

@@ -95,6 +95,7 @@ from numba import njit, prange
 from . import atomics
 from . import blocks as B
 from .simd import prefetch
+from .ticks import ticks
 
 # qtype → kernel format code
 KERNEL_FORMATS = {T.F32: B.F32, T.F16: B.F16, T.BF16: B.BF16, T.Q8_0: B.Q8_0,
@@ -133,6 +134,11 @@ PARTS = max(1, int(os.environ.get("BLOOMERY_HOST_PARTS", "1")))
 # calling thread: a decode call's 1 x 2048 inputs and 8 x 768 hidden rows take microseconds,
 # less than a parallel region's fork and join (and than waking the workers, where they sleep).
 SERIAL_PREP_MAX = 16384
+# Tick spans a layer call adds up (host.ticks; the FFI record's TICKS_* words, in this order):
+# the whole call, its parallel regions, their wait for the last thread to start work, and the
+# wait from the last work item's end to the region's end. The serial part is CALL - REGIONS.
+SPANS = ("call", "regions", "wake", "join")
+SPAN_CALL, SPAN_REGIONS, SPAN_WAKE, SPAN_JOIN = range(len(SPANS))
 # Work items a thread takes at a time (see host_moe_swiglu): 0, Numba's default, splits them
 # statically. A speed setting only; BLOOMERY_HOST_CHUNKSIZE sets the default (both bridges).
 # Dynamic chunks only make sense with fixed blocks (BLOOMERY_HOST_ROWS > 0): with one share a
@@ -254,7 +260,7 @@ def host_moe_swiglu(x: np.ndarray, experts: np.ndarray, weights: np.ndarray, on_
                     layer: HostExpertLayer, *, act: str | None = None,
                     rows_per_item: int = ROWS_PER_ITEM, chunksize: int = CHUNKSIZE,
                     multi_min: int | None = None, prefetch_rows: int = PREFETCH_ROWS,
-                    regions: int = REGIONS, parts: int = PARTS) -> np.ndarray:
+                    regions: int = REGIONS, parts: int = PARTS, spans: np.ndarray | None = None) -> np.ndarray:
     """Weighted SwiGLU sum of the (token, expert) pairs whose expert is on the host.
 
     Args:
@@ -280,6 +286,7 @@ def host_moe_swiglu(x: np.ndarray, experts: np.ndarray, weights: np.ndarray, on_
         (``REGIONS``). Never changes a result.
       parts: with ``regions`` 1 and ``rows_per_item`` 0, cost-balanced shares a thread, taken as
         threads free up (``PARTS``). Never changes a result.
+      spans: int64 ``[len(SPANS)]`` to add this call's tick spans to (``SPANS``), or None.
     Returns:
       float32 ``[N, D]``.
     """
@@ -301,12 +308,14 @@ def host_moe_swiglu(x: np.ndarray, experts: np.ndarray, weights: np.ndarray, on_
     x, experts, weights, on_host = (_readonly(a) for a in (x, experts, weights, on_host))
     s = kernel_settings(layer, act, multi_min)
     out = np.empty((x.shape[0], D), np.float32)
+    if spans is None:
+        spans = np.zeros(len(SPANS), np.int64)
     before = numba.set_parallel_chunksize(int(chunksize))  # this thread's setting: restored below
     try:
         return _moe_kernel(out, x, experts, weights, on_host, layer.gate.raw, layer.up.raw, layer.down.raw,
                            *s.formats, s.q8, _TAB16, _TABBF, max(0, int(rows_per_item)),
                            numba.get_num_threads(), s.mmin1, s.mmin2, max(0, int(prefetch_rows)),
-                           _regions(regions), max(1, int(parts)))
+                           _regions(regions), max(1, int(parts)), spans)
     finally:
         numba.set_parallel_chunksize(before)
 
@@ -552,10 +561,43 @@ def _await(counter, i, n):
         atomics.pause()
 
 
+@njit(inline="always", nogil=True)
+def _item_starts(first):
+    """Stamps this thread's first work item of the region (threads beyond ``first``'s slots: none)."""
+    i = 8 * numba.get_thread_id()
+    if i < first.shape[0] and first[i] == 0:
+        first[i] = ticks()
+
+
+@njit(inline="always", nogil=True)
+def _item_ends(last):
+    """Stamps the end of this thread's latest work item."""
+    i = 8 * numba.get_thread_id()
+    if i < last.shape[0]:
+        last[i] = ticks()
+
+
+@njit(cache=True, nogil=True)
+def _region_spans(spans, t0, first, last):
+    """After a parallel region that began at ``t0``: adds its span, the wait for the last thread
+    to start work (the workers' wake-up) and the wait after the last item ended (the join) to
+    ``spans``, and clears the stamps for the next region."""
+    t1 = ticks()
+    began, ended = 0, 0
+    for i in range(0, first.shape[0], 8):
+        began, ended = max(began, first[i]), max(ended, last[i])
+        first[i], last[i] = 0, 0
+    spans[SPAN_REGIONS] += t1 - t0
+    if began > 0:
+        spans[SPAN_WAKE] += began - t0
+        spans[SPAN_JOIN] += t1 - ended
+
+
 @njit(parallel=True, fastmath=True, cache=True, nogil=True)
 def _moe_kernel(out, x, experts, weights, on_host, gw, uw, dw, gfmt, ufmt, dfmt, q8, tab16, tabbf, rpi, nthreads,
-                mmin1, mmin2, pf, regions, parts):
-    # writes float32 out [N, D] (also returned)
+                mmin1, mmin2, pf, regions, parts, spans):
+    # writes float32 out [N, D] (also returned); adds the call's tick spans to spans [SPANS]
+    t_in = ticks()
     N, D = x.shape
     k = experts.shape[1]
     E, F = gw.shape[0], gw.shape[1]
@@ -574,6 +616,7 @@ def _moe_kernel(out, x, experts, weights, on_host, gw, uw, dw, gfmt, ufmt, dfmt,
         start[e + 1] += start[e]
     P = start[E]
     if P == 0:
+        spans[SPAN_CALL] += ticks() - t_in
         return out
     fill = _zeros(E)
     for e in range(E):
@@ -604,11 +647,17 @@ def _moe_kernel(out, x, experts, weights, on_host, gw, uw, dw, gfmt, ufmt, dfmt,
             gexp[g] = e
             g += 1
 
+    # each thread's first start and last end of a work item in the current region, a cache line apart
+    first, last = _zeros(8 * nthreads), _zeros(8 * nthreads)
     XS, XQK, XDK, XBK, XQ8, X16, XQ0, XD0 = _act_buffers(N, D)
     ka, kb = _kind(gfmt, q8), _kind(ufmt, q8)
     if N * D >= SERIAL_PREP_MAX:
+        t0 = ticks()
         for n in prange(N):
+            _item_starts(first)
             _prepare_row(x, n, ka, kb, XS, XQK, XDK, XBK, XQ8, X16, XQ0, XD0)
+            _item_ends(last)
+        _region_spans(spans, t0, first, last)
     else:  # a decode call's few rows: not worth waking the workers for (a parallel region each)
         for n in range(N):
             _prepare_row(x, n, ka, kb, XS, XQK, XDK, XBK, XQ8, X16, XQ0, XD0)
@@ -634,7 +683,9 @@ def _moe_kernel(out, x, experts, weights, on_host, gw, uw, dw, gfmt, ufmt, dfmt,
         # on an item that is not running). Counters a cache line apart: taken / finished for
         # phase 1, the hidden rows' preparation, phase 2.
         counter = _zeros(5 * 8)
+        t0 = ticks()
         for _ in prange(nthreads):
+            _item_starts(first)
             it = _take(counter, 0, n1)
             while it >= 0:
                 _gate_up_item(bounds[it], bounds[it + 1], gexp, start, pair_tok, x, H, gw, uw, gfmt, ufmt, q8, ka, kb,
@@ -653,19 +704,35 @@ def _moe_kernel(out, x, experts, weights, on_host, gw, uw, dw, gfmt, ufmt, dfmt,
                 _down_item(it * rpi2, min(D, (it + 1) * rpi2), gexp, start, pids, pair_tok, pair_w, H, dw, dfmt, q8,
                            kd, HS, HQK, HDK, HBK, HQ8, H16, HQ0, HD0, tab16, tabbf, mmin2, maxc, pf, out)
                 it = _take(counter, 32, n2)
+            _item_ends(last)
+        _region_spans(spans, t0, first, last)
+        spans[SPAN_CALL] += ticks() - t_in
         return out
 
     # Two parallel regions (and a third for the hidden rows of a large call), joined between.
+    t0 = ticks()
     for it in prange(n1):
+        _item_starts(first)
         _gate_up_item(bounds[it], bounds[it + 1], gexp, start, pair_tok, x, H, gw, uw, gfmt, ufmt, q8, ka, kb,
                       XS, XQK, XDK, XBK, XQ8, X16, XQ0, XD0, tab16, tabbf, mmin1, maxc, pf)
+        _item_ends(last)
+    _region_spans(spans, t0, first, last)
     if P * F >= SERIAL_PREP_MAX:
+        t0 = ticks()
         for p in prange(P):
+            _item_starts(first)
             _prepare_row(H, p, kd, kd, HS, HQK, HDK, HBK, HQ8, H16, HQ0, HD0)
+            _item_ends(last)
+        _region_spans(spans, t0, first, last)
     else:
         for p in range(P):
             _prepare_row(H, p, kd, kd, HS, HQK, HDK, HBK, HQ8, H16, HQ0, HD0)
+    t0 = ticks()
     for it in prange(n2):
+        _item_starts(first)
         _down_item(it * rpi2, min(D, (it + 1) * rpi2), gexp, start, pids, pair_tok, pair_w, H, dw, dfmt, q8,
                    kd, HS, HQK, HDK, HBK, HQ8, H16, HQ0, HD0, tab16, tabbf, mmin2, maxc, pf, out)
+        _item_ends(last)
+    _region_spans(spans, t0, first, last)
+    spans[SPAN_CALL] += ticks() - t_in
     return out
