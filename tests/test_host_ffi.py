@@ -207,9 +207,9 @@ def test_overlap_comes_from_the_argument_then_the_environment(monkeypatch):
     from bloomery_jax.host.ffi import resolve_overlap
 
     monkeypatch.delenv("BLOOMERY_FFI_OVERLAP", raising=False)
-    assert resolve_overlap(None) is False and resolve_overlap(True) is True
-    monkeypatch.setenv("BLOOMERY_FFI_OVERLAP", "1")
     assert resolve_overlap(None) is True and resolve_overlap(False) is False
+    monkeypatch.setenv("BLOOMERY_FFI_OVERLAP", "0")
+    assert resolve_overlap(None) is False and resolve_overlap(True) is True
     monkeypatch.setenv("BLOOMERY_FFI_OVERLAP", "yes")
     with pytest.raises(ConfigError, match="BLOOMERY_FFI_OVERLAP='yes'"):
         resolve_overlap(None)

@@ -42,6 +42,7 @@ def _now():
 def ticks_per_second(span_s: float = 0.02) -> float:
     """The counter's rate, measured once against the wall clock over ``span_s`` (0.0 where the
     CPU has no counter)."""
+    _now()  # compiled (or loaded from the disk cache) first: that took up to ~30 ms of the span
     t0, c0 = time.perf_counter_ns(), _now()
     time.sleep(span_s)
     t1, c1 = time.perf_counter_ns(), _now()
