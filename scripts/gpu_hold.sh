@@ -20,29 +20,31 @@
 #           llama-bench all on the card and -ncmoe 36, the quarter budget lfu-stream and (time
 #           left) static (issue 9), ratios. (The twentieth session's pallas-q8 card bench is
 #           answered: 269.2 against 276.0 tok/s; layer_kernel_bench.py's *_q8 families stay.)
-#   spins   at once after targets: the quarter static at the default spin count, then the quarter
-#           lfu-stream and n-cpu-moe=36 with the OpenMP workers spinning 1M and 10k times (the
-#           default), beside llama.cpp -ncmoe 36 before and after
+#   regions at once after targets: the quarter budget (lfu-stream, static) and n-cpu-moe=36 with a
+#           layer call's host kernels in one parallel region (BLOOMERY_HOST_REGIONS=1) against two,
+#           beside llama.cpp -ncmoe 36 before and after; each record's decode_host_us_per_call_split
+#           says what moved (one fork fewer, the hidden rows rounded in parallel).
+#           (The twenty-first session's `spins` call is answered: 1M spins +6% on whole calls, nothing
+#           over the halves, now the default.)
 #   hybrid  host kernel layouts and the three bridges (gpu_session.py host), llama-bench -ncmoe 36,
 #           quarter budget static and lfu-stream over the FFI bridge with $SIGNAL (default
 #           doorbell), ratios; with QPROF=1
 #           and time left, the quarter-static decode profile (8 layers)
-#   overlap the quarter budget (static, lfu-stream) with the mixed layers' host calls whole and
-#           in two halves around their card experts (BLOOMERY_FFI_OVERLAP=0 / 1), then the halves
-#           with the OpenMP workers spinning 1M times (time left), llama-bench -ncmoe 36
-#           (the nineteenth session's `link`, `quarter` and `regions` calls were answered: the link
-#           and the host share DRAM, one parallel region gained nothing; their probes stay in scripts/)
+#           (answered and removed: the nineteenth session's `link`, `quarter` and `regions` (the link
+#           and the host share DRAM; one region then still made three), the twenty-first's `overlap`
+#           (halves +21.6% lfu-stream, +15.8% static: the default now); their probes stay in scripts/)
 #           (the eighteenth session replaced `hostab`, answered in the seventeenth: the defaults won)
 #   prefill the card bench with the prefill products on quant tiles with x in one bf16 part (pallas-bf16,
 #           the default since the sixteenth session, unmeasured end to end) and in two (pallas-qtiles,
 #           the sixteenth session's side-by-side), with time left pallas-q8 and the 8-layer pp512 profile
 #
-#   order: targets (it starts the builds itself), spins at once after it (the build and the file
-#           stay in /tmp on a warm machine), then overlap, then side, trace or hybrid if device
+#   order: targets (it starts the builds itself), regions at once after it (the build and the file
+#           stay in /tmp only while the machine is warm: it goes back 30 s after a call, so have the
+#           next call's command ready before this one returns), then side, trace or hybrid if device
 #           time is left (about 5-10 minutes each; every bench launches decode blocks ahead,
 #           bench --no-lookahead not)
 #
-#   run: bash scripts/gpu_hold.sh trace|side|targets|spins|prefill|overlap|hybrid   (ATTN=0 skips the attention bench,
+#   run: bash scripts/gpu_hold.sh trace|side|targets|regions|prefill|hybrid   (ATTN=0 skips the attention bench,
 #        LKB=0 the launch-config sweep, so that the committed tables are what runs; QPROF=1
 #        adds the quarter profile; HOST_LAYOUTS narrows gpu_session's host sweep)
 set -u
@@ -95,7 +97,7 @@ targets)
   # one call that measures what the issues' targets need, for a hold that may get only one: our
   # card bench while llama.cpp builds, then beside llama.cpp all on the card and -ncmoe 36, the
   # quarter budget lfu-stream and static (issue 9). On a fresh machine each of our benches
-  # compiles cold (100-135 s; twentieth session), so the quarter budget may not fit: `spins`
+  # compiles cold (100-135 s; twentieth session), so the quarter budget may not fit: `regions`
   # after it measures both again
   card_beside_llamacpp
   $B --bridge ffi --signal doorbell bench --only quarter-lfu-stream
@@ -103,19 +105,18 @@ targets)
   [ $SECONDS -lt 400 ] && $B --bridge ffi --signal doorbell bench --only quarter-static
   python3 scripts/gpu_session.py --out $RES compare
   ;;
-spins)
-  # at once after `targets`: does a host call pay for waking Numba's OpenMP workers? They spin
-  # 10,000 times after a region (the default; how long that lasts depends on the CPU's pause
-  # instruction), then sleep until the next region. An empty region cost 9.3 us at 1M spins and
-  # 79 us passive (nineteenth session); a decode host call's fixed part was ~120 us (twentieth).
-  # the quarter static (issue 9's base), the quarter lfu-stream and n-cpu-moe=36 at 1M and 10k
-  # spins, beside llama.cpp before and after
+regions)
+  # at once after `targets`: one parallel region a host call against two. The twenty-first
+  # session's split (H100 host, lfu-stream): serial 13.4 us (8 + ~1.8 a pair: the hidden rows'
+  # rounding, serial between the regions), wake 14.2 (~6 a fork even with spinning workers), join
+  # 6.4, work 75.4. One region rounds the hidden rows in parallel and forks once: ~10-15 us a
+  # call less predicted, +6-8% on the quarter lfu-stream.
   bash scripts/await_builds.sh 240 || exit 1
   python3 scripts/gpu_session.py --out $RES llamacpp --only ncmoe36
-  for run in quarter-static:10000 quarter-lfu-stream:1000000 quarter-lfu-stream:10000 ncmoe36:1000000 ncmoe36:10000; do
+  for run in r1:quarter-lfu-stream r2:quarter-lfu-stream r1:quarter-static r2:quarter-static r1:ncmoe36 r2:ncmoe36; do
     [ $SECONDS -gt ${LAST_START:-440} ] && { echo "$run: skipped, the call's time is nearly spent"; continue; }
-    v=spin${run#*:}; mkdir -p $RES/$v && cp $RES/llamacpp.json $RES/$v/
-    GOMP_SPINCOUNT=${run#*:} ${B/--out $RES/--out $RES/$v} --bridge ffi --signal doorbell bench --only ${run%%:*}
+    v=${run%%:*}; mkdir -p $RES/$v && cp $RES/llamacpp.json $RES/$v/
+    BLOOMERY_HOST_REGIONS=${v#r} ${B/--out $RES/--out $RES/$v} --bridge ffi --signal doorbell bench --only ${run#*:}
     python3 scripts/gpu_session.py --out $RES/$v compare
     pack
   done
@@ -131,25 +132,6 @@ hybrid)
       --place card-experts=32 --bridge ffi --decode-block 8 --steps 16 --out /tmp/qprof > "$RES/qprof.log" 2>&1
     echo "quarter profile: rc $?"; cp /tmp/qprof/profile.json "$RES/profile-quarter-static.json" 2>/dev/null
   fi
-  ;;
-overlap)
-  # the quarter budget with each mixed layer's host call whole and in two halves around its card
-  # experts (BLOOMERY_FFI_OVERLAP, the doorbell), each beside llama.cpp -ncmoe 36 from this call
-  bash scripts/await_builds.sh 240 || exit 1
-  python3 scripts/gpu_session.py --out $RES llamacpp --only ncmoe36
-  # halves-spin1M: the halves with the OpenMP workers spinning 1,000,000 times instead of 10,000
-  # (host_call_probe.py, nineteenth session: an empty region 9 us against 899 on one host)
-  for v in ${OVERLAP_VARIANTS:-whole halves halves-spin1M}; do
-    [ $SECONDS -gt 420 ] && { echo "$v: skipped, the call's time is nearly spent"; continue; }
-    mkdir -p $RES/$v && cp $RES/llamacpp.json $RES/$v/
-    spin=$([ $v = halves-spin1M ] && echo 1000000 || echo 10000)
-    GOMP_SPINCOUNT=$spin BLOOMERY_FFI_OVERLAP=$([ $v = whole ] && echo 0 || echo 1) ${B/--out $RES/--out $RES/$v} \
-      --bridge ffi --signal doorbell bench --only quarter-static,quarter-lfu-stream
-    python3 scripts/gpu_session.py --out $RES/$v compare
-    pack
-  done
-  # llama.cpp again at the end: its -ncmoe 36 figure moved 11-45% between calls on one host
-  [ $SECONDS -lt 490 ] && python3 scripts/gpu_session.py --out $RES/llamacpp-after llamacpp --only ncmoe36
   ;;
 prefill)
   # the card bench with the prefill products on quant tiles with x in one bf16 part (pallas-bf16, the
