@@ -5,10 +5,9 @@ Why: a decode call of the host kernels costs ~37 us an expert plus ~120 us whate
 workers' wake-up at each parallel region, the work and the join apart.
 
 Contract. ``ticks()`` is ``llvm.readcyclecounter``: on x86 the invariant TSC, a count that rises
-at a constant rate on every core, cheap enough (tens of cycles) to take per work item. Its rate
-is not known here: a caller converts with a wall-clock time measured over the same span (the
-bridge records nanoseconds and ticks of each call). Where the CPU has no such counter it is 0,
-and every span reads 0.
+at a constant rate on every core, cheap enough (tens of cycles) to take per work item.
+``ticks_per_second()`` measures that rate once against the wall clock. Where the CPU has no
+such counter it reads 0, and so does every span.
 """
 
 from __future__ import annotations
