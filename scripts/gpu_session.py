@@ -269,10 +269,13 @@ def stage_compare(args) -> None:
     """HERE or THERE: ratios of our bench to llama-bench from the JSON in --out, median tok/s on
     both sides (llama-bench reports a mean, which its slow first repetition pulls down: the
     seventeenth session's pp512 had 5,514, 7,011 and 7,182)."""
-    ours = {}
+    ours, splits = {}, {}
     for path in sorted(args.out.glob("bench-*.json")):
         for r in json.loads(path.read_text())["records"]:
             ours[(path.stem, r["test"], r["parallel"])] = r["tps_median"]
+            placed = r.get("placement", {})
+            if "decode_host_us_per_call_split" in placed:  # where a decode's host call went (tg records)
+                splits[path.stem] = (placed["decode_host_ms_per_call"], placed["decode_host_us_per_call_split"])
     theirs = {}
     for name, run in json.loads((args.out / "llamacpp.json").read_text()).items():
         for r in run["records"] if isinstance(run["records"], list) else []:
@@ -291,6 +294,8 @@ def stage_compare(args) -> None:
     for r in rows:
         print(f"{r['ours']:22s} p{r['parallel']} {r['test']:6s} ours {r['ours_tps']:8.1f}  "
               f"llama.cpp {r['llamacpp_tps']:8.1f}  ratio {r['ratio']:.3f}")
+    for stem, (ms, split) in splits.items():
+        print(f"{stem}: a decode host call {ms * 1e3:.1f} us: " + ", ".join(f"{k} {v}" for k, v in split.items()))
     write_json(args.out, "compare.json", rows)
 
 
