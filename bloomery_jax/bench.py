@@ -243,9 +243,10 @@ def run(argv: list[str] | None = None, out=None, err=None) -> list[dict]:
     kernels, bridge = model.kernels, model.bridge
     # the FFI bridge's signal on a GPU (ffi.resolve_signal), None without host experts or ffi;
     # the host experts' memory pages (host.memory) and whether the host calls come in halves
-    # around the card's experts (ffi.resolve_overlap), None without host experts
+    # around the card's experts (ffi.resolve_overlap) and run on the host team (ffi.resolve_team),
+    # None without host experts
     host = getattr(model.placement, "host", None)
-    signal, pages, overlap = (getattr(host, a, None) for a in ("signal", "pages", "overlap"))
+    signal, pages, overlap, team = (getattr(host, a, None) for a in ("signal", "pages", "overlap", "team"))
     rng = np.random.default_rng(args.seed)
     records = []
     for parallel in args.parallel:
@@ -253,7 +254,8 @@ def run(argv: list[str] | None = None, out=None, err=None) -> list[dict]:
         for r in recs:
             r.update(model=str(model.path), architecture=model.gguf.architecture, model_bytes=size,
                      ubatch=args.ubatch, kv_dtype=args.kv_dtype, kernels=kernels, attention=model.attention,
-                     bridge=bridge, host_signal=signal, host_pages=pages, host_overlap=overlap, routing=model.routing,
+                     bridge=bridge, host_signal=signal, host_pages=pages, host_overlap=overlap, host_team=team,
+                     routing=model.routing,
                      weights=args.weights,
                      decode_block=args.decode_block, lookahead=args.lookahead, reps=args.reps, load_s=load_s,
                      compile_s=compile_s, witness=witness)

@@ -52,6 +52,35 @@ def test_matches_the_callback_bridge_bit_for_bit(threads):
     assert not y[0].any() and y[1].any()
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_host_team_matches_the_callback_bridge_bit_for_bit(threads, monkeypatch):
+    """Calls of at most TEAM_TOKENS tokens on the host team (threads that stay awake between
+    calls, ffi_bridge.cc) give the callback bridge's result bit for bit: after the team's threads
+    have fallen asleep too (a spin of 0 us), for a token with no host pair, and for a call too
+    large for the team (the Numba kernel). Its spans nest as the kernel's do."""
+    from bloomery_jax.host.ffi import TEAM_TOKENS
+
+    monkeypatch.setenv("BLOOMERY_HOST_TEAM_SPIN_US", "0")
+    names = ["Q4_K_M", "Q8_0", "F16"]
+    callback = HostBridge({3 * i + 1: _layer(name) for i, name in enumerate(names)}, threads)
+    team = FfiHostBridge(callback.layers, threads, team=True)
+    rng = np.random.default_rng(21)
+    for N in (1, 2, TEAM_TOKENS, TEAM_TOKENS + 1, 1):
+        x, experts, weights = _routing(rng, N, 4)
+        on_host = rng.random(E) < 0.6
+        on_host[experts[0]] = False  # the first token's experts all on the card: zeros
+        for layer in callback.layers:
+            outs = [np.asarray(jax.jit(lambda *a, b=b: b.moe(layer, *a))(x, experts, weights, on_host))
+                    for b in (callback, team)]
+            np.testing.assert_array_equal(outs[1], outs[0])
+            assert not outs[1][0].any() and (N == 1 or outs[1][1:].any())
+    call, regions, wake, join = team.stats.ticks
+    assert call >= regions > wake + join and wake >= 0 and join >= 0
+    # every call of at most TEAM_TOKENS tokens ran on the team, the larger one in the kernel
+    assert [int(r[ffi_layout.TEAM_CALLS]) for r in team._records.values()] == [4] * len(names)
+    assert team.stats.calls == 5 * len(names)
+
+
 def test_dynamic_chunks_give_the_same_result(monkeypatch):
     """With BLOOMERY_HOST_CHUNKSIZE's setting (here 2: work items handed out two at a time as threads
     free up) the handler sets the chunk size through Numba's C setter before each call; every

@@ -21,7 +21,7 @@ from numba import carray, cfunc, types
 from numba.extending import intrinsic
 
 from . import ffi_layout as F
-from .swiglu import _TAB16, SPANS, _moe_kernel
+from .swiglu import _TAB16, SPANS, _moe_kernel, _team_part
 
 TABLE_LEN = _TAB16.shape[0]  # both conversion tables: float32 [65536]
 
@@ -62,3 +62,37 @@ def layer_entry(rec, x, experts, weights, on_host, out, n):
     _moe_kernel(oa, xa, ea, wa, ha, gw, uw, dw, rec[F.GATE_FMT], rec[F.UP_FMT], rec[F.DOWN_FMT], rec[F.Q8] != 0,
                 tab16, tabbf, rec[F.ROWS_PER_ITEM], rec[F.THREADS], rec[F.MULTI_MIN1], rec[F.MULTI_MIN2],
                 rec[F.PREFETCH_ROWS], rec[F.REGIONS], rec[F.PARTS], spans)
+
+
+_TEAM_SIGNATURE = types.void(types.CPointer(types.int64), types.int64, types.int64, types.int64, types.int64,
+                             types.int64, types.int64, types.int64, types.int64)
+
+
+@cfunc(_TEAM_SIGNATURE, cache=True, nogil=True)
+def team_entry(rec, x, experts, weights, on_host, out, n, tid, nthreads):
+    """Thread ``tid`` of ``nthreads``'s part of the call ``layer_entry`` would make, for the host
+    team of ``ffi_bridge.cc``: the record's ``TEAM_SCRATCH`` holds the addresses of
+    ``swiglu.team_scratch``'s nine arrays of ``TEAM_PAIRS`` rows, ``TEAM_COUNTERS`` five zeroed
+    counters a cache line apart."""
+    D, Fr, E, k = rec[F.D], rec[F.F], rec[F.E], rec[F.K]
+    xa = carray(_pointer(x, np.float32), (n, D))
+    ea = carray(_pointer(experts, np.int32), (n, k))
+    wa = carray(_pointer(weights, np.float32), (n, k))
+    ha = carray(_pointer(on_host, np.bool_), (E,))
+    oa = carray(_pointer(out, np.float32), (n, D))
+    gw = carray(_pointer(rec[F.GATE], np.uint8), (E, Fr, rec[F.GATE_ROW_BYTES]))
+    uw = carray(_pointer(rec[F.UP], np.uint8), (E, Fr, rec[F.UP_ROW_BYTES]))
+    dw = carray(_pointer(rec[F.DOWN], np.uint8), (E, D, rec[F.DOWN_ROW_BYTES]))
+    tab16 = carray(_pointer(rec[F.TAB16], np.float32), (TABLE_LEN,))
+    tabbf = carray(_pointer(rec[F.TABBF], np.float32), (TABLE_LEN,))
+    a = carray(_pointer(rec[F.TEAM_SCRATCH], np.int64), (9,))
+    M = rec[F.TEAM_PAIRS]
+    scratch = (carray(_pointer(a[0], np.float32), (M, Fr)), carray(_pointer(a[1], np.float32), (M, Fr // 32)),
+               carray(_pointer(a[2], np.int16), (M, Fr)), carray(_pointer(a[3], np.float32), (M, Fr // 256 + 1)),
+               carray(_pointer(a[4], np.int32), (M, Fr // 32)), carray(_pointer(a[5], np.int8), (M, Fr)),
+               carray(_pointer(a[6], np.int16), (M, Fr // 16)), carray(_pointer(a[7], np.int16), (M, Fr)),
+               carray(_pointer(a[8], np.float32), (M, Fr // 32)))
+    counter = carray(_pointer(rec[F.TEAM_COUNTERS], np.int64), (5 * 8,))
+    _team_part(oa, xa, ea, wa, ha, gw, uw, dw, rec[F.GATE_FMT], rec[F.UP_FMT], rec[F.DOWN_FMT], rec[F.Q8] != 0,
+               tab16, tabbf, rec[F.ROWS_PER_ITEM], rec[F.MULTI_MIN1], rec[F.MULTI_MIN2], rec[F.PREFETCH_ROWS],
+               rec[F.PARTS], scratch, counter, tid, nthreads)

@@ -43,7 +43,7 @@ from . import ffi_layout as F
 from .bridge import BridgeStats, HostBridge
 from .memory import host_buffer, mapped_bytes
 from .swiglu import (_TAB16, _TABBF, CHUNKSIZE, EXPERT_ROLES, PARTS, PREFETCH_ROWS, REGIONS, ROWS_PER_ITEM, SPANS,
-                     HostExpertLayer, kernel_settings)
+                     HostExpertLayer, kernel_settings, team_scratch)
 
 SOURCE = Path(__file__).resolve().parent / "ffi_bridge.cc"
 TARGET = "bloomery_host_moe"
@@ -152,6 +152,25 @@ def resolve_overlap(overlap: bool | None) -> bool:
     return value == "1"
 
 
+# Host calls of at most this many tokens (decode) run on the host team when it is on; a team call
+# holds its hidden rows in scratch of TEAM_TOKENS * k rows, shared by the bridge's layers.
+TEAM_TOKENS = 8
+
+
+def resolve_team(team: bool | None) -> bool:
+    """Whether decode-sized host calls run on ``ffi_bridge.cc``'s host team (threads that stay
+    awake between calls, no parallel region's fork and join) rather than in the Numba parallel
+    kernel: ``team``, else ``$BLOOMERY_HOST_TEAM`` ("1" or "0"), else off until the GPU machine
+    has measured it. The same bits either way. ``$BLOOMERY_HOST_TEAM_SPIN_US`` (default 20000):
+    how long its threads spin after a call before they sleep."""
+    if team is not None:
+        return bool(team)
+    value = os.environ.get("BLOOMERY_HOST_TEAM", "0")
+    if value not in ("0", "1"):
+        raise ConfigError(f"BLOOMERY_HOST_TEAM={value!r}: want 1 (on) or 0 (off)")
+    return value == "1"
+
+
 def resolve_signal(signal: str | None) -> str:
     """The bridge's signal: ``signal``, else ``$BLOOMERY_FFI_SIGNAL``, else ``doorbell``."""
     name = signal or os.environ.get("BLOOMERY_FFI_SIGNAL") or "doorbell"
@@ -202,6 +221,7 @@ class FfiHostBridge(HostBridge):
       threads: Numba threads for the host kernels (None = Numba's default).
       signal: how a CUDA stream hands the kernel to the host (:func:`resolve_signal`).
       overlap: make each call in two halves around the layer's card experts (:func:`resolve_overlap`).
+      team: run decode-sized calls on the host team (:func:`resolve_team`).
     """
 
     # No branch around ``moe``: XLA's CUDA graphs leave conditionals out by default, and outside a
@@ -211,17 +231,20 @@ class FfiHostBridge(HostBridge):
     skip_empty_calls = False
 
     def __init__(self, layers: dict[int, HostExpertLayer], threads: int | None = None, signal: str | None = None,
-                 pages: str | None = None, overlap: bool | None = None):
-        from .entry import layer_entry
+                 pages: str | None = None, overlap: bool | None = None, team: bool | None = None):
+        from .entry import layer_entry, team_entry
 
         self.signal = resolve_signal(signal)
         self.overlap = resolve_overlap(overlap)
+        self.team = resolve_team(team)
+        self._team_scratch = None  # (k, the arrays, their addresses, the counters), once a call sets k
         self._lib = library()
         self._pinned_buffers: list = []  # never freed: recorded CUDA graphs may copy to or from them
         super().__init__(layers, threads, pages)
         entry = dict(FN=layer_entry.address, SET_THREADS=_numba_setter("set_num_threads"), THREADS=self.threads,
                      SET_CHUNKSIZE=_numba_setter("set_parallel_chunksize"), CHUNKSIZE=CHUNKSIZE,
-                     SIGNAL=F.SIGNALS.index(self.signal))
+                     SIGNAL=F.SIGNALS.index(self.signal), TEAM=int(self.team), TEAM_FN=team_entry.address,
+                     TEAM_TOKENS=TEAM_TOKENS, TEAM_SPIN_US=int(os.environ.get("BLOOMERY_HOST_TEAM_SPIN_US", "20000")))
         if self.signal == "doorbell" and _on_cuda():
             for device in jax.devices("gpu"):
                 self.start_doorbell(device.id)
@@ -288,6 +311,8 @@ class FfiHostBridge(HostBridge):
         if rec[F.K] not in (0, k):
             raise ValueError(f"FfiHostBridge: layer {i} was called with k = {rec[F.K]} and now {k}")
         rec[F.K] = k
+        if self.team:
+            self._ensure_team_scratch(k)
         if _on_cuda():
             self._ensure_staging(n, k)
         call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(h.shape, jnp.float32))
@@ -358,6 +383,24 @@ class FfiHostBridge(HostBridge):
                 for name, a in addresses.items():
                     rec[getattr(F, name)] = a
                 rec[F.STAGE_TOKENS] = n
+
+    def _ensure_team_scratch(self, k: int) -> None:
+        """The host team's hidden rows for calls of ``k`` experts a token, in every record (one set
+        for the bridge: team calls run one at a time)."""
+        with self._stage_lock:
+            if self._team_scratch is not None:
+                if self._team_scratch[0] != k:
+                    raise ValueError(f"FfiHostBridge: the host team's scratch is for k = {self._team_scratch[0]}, not {k}")
+                return
+            first = next(iter(self._records.values()))
+            pairs = TEAM_TOKENS * k
+            arrays = team_scratch(pairs, int(first[F.F]))
+            addresses = np.array([a.ctypes.data for a in arrays], np.int64)
+            counters = np.zeros(5 * 8, np.int64)
+            self._team_scratch = (k, arrays, addresses, counters)
+            for rec in self._records.values():
+                rec[F.TEAM_SCRATCH], rec[F.TEAM_PAIRS] = addresses.ctypes.data, pairs
+                rec[F.TEAM_COUNTERS] = counters.ctypes.data
 
     def _pinned(self, size: int) -> int:
         err = ctypes.create_string_buffer(256)

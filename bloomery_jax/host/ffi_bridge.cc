@@ -30,6 +30,8 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
+#include <deque>
 #include <cstddef>
 #include <cstdio>
 #include <cstdlib>
@@ -60,15 +62,151 @@ int64_t* Record(int64_t slot) {
   return (slot >= 0 && slot < kSlots) ? g_records[slot].load(std::memory_order_acquire) : nullptr;
 }
 
+inline void Pause() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+inline int64_t Ticks() {  // the time-stamp counter, as host/ticks.py reads it in Numba code
+#if defined(__x86_64__) || defined(__i386__)
+  return static_cast<int64_t>(__builtin_ia32_rdtsc());
+#else
+  return 0;
+#endif
+}
+
+// --- The host team --------------------------------------------------------------------------------
+// Threads that stay awake between a decode step's layer calls, so that a call costs no fork and
+// no join of a Numba parallel region (~6 us each and ~13 us of waking even with spinning OpenMP
+// workers, twenty-first session). The caller is thread 0; the others spin on the call counter
+// for the record's TEAM_SPIN_US after their last part, then sleep until the next call. Each runs
+// its part of the call (entry.team_entry), taking work items from the record's counters, and the
+// caller waits until every part is done. One call at a time: a call that finds the team busy
+// (another thread's call) runs the Numba kernel instead.
+using TeamFn = void (*)(int64_t* record, int64_t x, int64_t experts, int64_t weights, int64_t on_host, int64_t out,
+                        int64_t n, int64_t tid, int64_t nthreads);
+
+struct TeamCall {
+  int64_t* rec;
+  int64_t x, experts, weights, on_host, out, n, nthreads;
+};
+
+class Team {
+ public:
+  // Runs `call` on `call.nthreads` threads (this one included); false when the team is busy.
+  bool Run(const TeamCall& call) {
+    std::unique_lock<std::mutex> busy(run_mu_, std::try_to_lock);
+    if (!busy.owns_lock()) return false;
+    Grow(static_cast<int>(call.nthreads) - 1);
+    int64_t* rec = call.rec;
+    std::memset(reinterpret_cast<void*>(rec[kTeamCounters]), 0, 5 * 64);
+    call_ = call;
+    spin_us_.store(rec[kTeamSpinUs], std::memory_order_relaxed);
+    int helpers = static_cast<int>(helpers_.size());
+    pending_.store(helpers, std::memory_order_relaxed);
+    int64_t t0 = Ticks();
+    gen_.fetch_add(1, std::memory_order_seq_cst);  // publishes call_ (release) to the spinning helpers
+    if (sleeping_.load(std::memory_order_seq_cst) > 0) {
+      std::lock_guard<std::mutex> lock(sleep_mu_);
+      wake_.notify_all();
+    }
+    Part(0);
+    int64_t mine = Ticks();
+    while (pending_.load(std::memory_order_acquire) != 0) Pause();
+    int64_t t1 = Ticks(), began = 0, ended = mine;
+    for (int i = 0; i < helpers; ++i) {
+      if (stamps_[i].first > began) began = stamps_[i].first;
+      if (stamps_[i].last > ended) ended = stamps_[i].last;
+    }
+    // the spans as the Numba kernel counts them (swiglu.SPANS): the call is one region
+    __atomic_fetch_add(&rec[kTicks], t1 - t0, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&rec[kTicksRegions], t1 - t0, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&rec[kTicksWake], (began > t0 ? began : t0) - t0, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&rec[kTicksJoin], t1 - ended, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&rec[kTeamCalls], 1, __ATOMIC_RELAXED);
+    return true;
+  }
+
+ private:
+  struct alignas(64) Stamps {
+    int64_t first = 0, last = 0;
+  };
+
+  // Thread `tid`'s part; helpers beyond the call's thread count have none.
+  void Part(int64_t tid) {
+    const TeamCall& c = call_;
+    if (tid < c.nthreads)
+      reinterpret_cast<TeamFn>(c.rec[kTeamFn])(c.rec, c.x, c.experts, c.weights, c.on_host, c.out, c.n, tid,
+                                               c.nthreads);
+  }
+
+  void Grow(int helpers) {
+    while (static_cast<int>(helpers_.size()) < helpers) {
+      int tid = static_cast<int>(helpers_.size()) + 1;
+      uint64_t seen = gen_.load(std::memory_order_relaxed);  // before this call's: it must not miss it
+      stamps_.emplace_back();
+      helpers_.emplace_back([this, tid, seen] { Helper(tid, seen); });
+      helpers_.back().detach();  // the team lives as long as the process
+    }
+  }
+
+  void Helper(int tid, uint64_t seen) {
+    for (;;) {
+      auto since = std::chrono::steady_clock::now();
+      int spins = 0;
+      while (gen_.load(std::memory_order_acquire) == seen) {
+        Pause();
+        if (++spins % 1024 == 0 &&
+            std::chrono::steady_clock::now() - since > std::chrono::microseconds(spin_us_.load(std::memory_order_relaxed))) {
+          std::unique_lock<std::mutex> lock(sleep_mu_);
+          sleeping_.fetch_add(1, std::memory_order_seq_cst);
+          wake_.wait(lock, [&] { return gen_.load(std::memory_order_seq_cst) != seen; });
+          sleeping_.fetch_sub(1, std::memory_order_relaxed);
+        }
+      }
+      seen = gen_.load(std::memory_order_acquire);
+      stamps_[tid - 1].first = Ticks();
+      Part(tid);
+      stamps_[tid - 1].last = Ticks();
+      pending_.fetch_sub(1, std::memory_order_release);
+    }
+  }
+
+  std::mutex run_mu_, sleep_mu_;
+  std::condition_variable wake_;
+  std::deque<std::thread> helpers_;
+  std::deque<Stamps> stamps_;  // a deque: growing it never moves the stamps a helper writes
+  TeamCall call_{};
+  alignas(64) std::atomic<uint64_t> gen_{0};
+  alignas(64) std::atomic<int> pending_{0};
+  std::atomic<int> sleeping_{0};
+  std::atomic<int64_t> spin_us_{0};
+};
+
+Team& HostTeam() {
+  static Team* team = new Team();  // never destroyed: its detached helpers may still be spinning at exit
+  return *team;
+}
+
 // Runs the host function and counts the call: calls, (token, expert) pairs on the host, time.
+// A call of at most the record's TEAM_TOKENS tokens runs on the host team where the record asks.
 void RunHost(int64_t* rec, const void* x, const int32_t* experts, const void* weights, const bool* on_host,
              void* out, int64_t n) {
   auto t0 = std::chrono::steady_clock::now();
-  reinterpret_cast<void (*)(int)>(rec[kSetThreads])(static_cast<int>(rec[kThreads]));
-  reinterpret_cast<unsigned (*)(unsigned)>(rec[kSetChunksize])(static_cast<unsigned>(rec[kChunksize]));
-  reinterpret_cast<HostFn>(rec[kFn])(rec, reinterpret_cast<int64_t>(x), reinterpret_cast<int64_t>(experts),
-                                     reinterpret_cast<int64_t>(weights), reinterpret_cast<int64_t>(on_host),
-                                     reinterpret_cast<int64_t>(out), n);
+  bool teamed = rec[kTeam] != 0 && n <= rec[kTeamTokens] && rec[kTeamScratch] != 0 &&
+                HostTeam().Run(TeamCall{rec, reinterpret_cast<int64_t>(x), reinterpret_cast<int64_t>(experts),
+                                        reinterpret_cast<int64_t>(weights), reinterpret_cast<int64_t>(on_host),
+                                        reinterpret_cast<int64_t>(out), n, rec[kThreads]});
+  if (!teamed) {
+    reinterpret_cast<void (*)(int)>(rec[kSetThreads])(static_cast<int>(rec[kThreads]));
+    reinterpret_cast<unsigned (*)(unsigned)>(rec[kSetChunksize])(static_cast<unsigned>(rec[kChunksize]));
+    reinterpret_cast<HostFn>(rec[kFn])(rec, reinterpret_cast<int64_t>(x), reinterpret_cast<int64_t>(experts),
+                                       reinterpret_cast<int64_t>(weights), reinterpret_cast<int64_t>(on_host),
+                                       reinterpret_cast<int64_t>(out), n);
+  }
   int64_t pairs = 0;
   for (int64_t i = 0; i < n * rec[kK]; ++i) pairs += on_host[experts[i]] ? 1 : 0;
   auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
@@ -284,14 +422,6 @@ std::atomic<int> g_bell_devices{0};     // the worker polls bells [0, this)
 std::mutex g_bell_mu;
 std::atomic<bool> g_bell_stop{false};
 std::thread* g_bell_worker = nullptr;
-
-inline void Pause() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
 
 void BellWorker() {
   auto last = std::chrono::steady_clock::now();

@@ -17,6 +17,12 @@ FIELDS = (
     "CALLS", "PAIRS", "NANOS",  # counters, added to by the host function
     "TICKS", "TICKS_REGIONS", "TICKS_WAKE", "TICKS_JOIN",  # the kernel's tick spans (swiglu.SPANS), likewise
     "STREAMED",  # expert bytes copied by the stream handler
+    # The host team (ffi_bridge.cc): calls of at most TEAM_TOKENS tokens run on threads that stay
+    # awake between calls (TEAM_SPIN_US after the last), each running TEAM_FN (entry.team_entry)
+    # for its part; 0 in TEAM: every call runs FN. TEAM_SCRATCH: address of the addresses of
+    # swiglu.team_scratch's arrays (TEAM_PAIRS rows); TEAM_COUNTERS: int64 [40].
+    "TEAM", "TEAM_FN", "TEAM_TOKENS", "TEAM_SPIN_US", "TEAM_SCRATCH", "TEAM_PAIRS", "TEAM_COUNTERS",
+    "TEAM_CALLS",  # calls the team ran, added to by the bridge
 )
 WORDS = len(FIELDS)
 # The stream's ways of running the host function: "hostfunc" (cuLaunchHostFunc: the driver's

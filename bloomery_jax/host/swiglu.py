@@ -561,6 +561,130 @@ def _await(counter, i, n):
         atomics.pause()
 
 
+@njit(cache=True, nogil=True)
+def _group(experts, weights, on_host, E):
+    """The host pairs grouped by expert (serial: O(N k + E)). Pair p = (token pair_tok[p], expert),
+    with weight pair_w[p]; expert e's pairs are [start[e], start[e + 1]); gexp lists the experts
+    with pairs, ascending; pids is the identity [P]; maxc the most pairs of one expert."""
+    N, k = experts.shape
+    start = np.zeros(E + 1, np.int64)
+    for n in range(N):
+        for j in range(k):
+            e = experts[n, j]
+            if on_host[e]:
+                start[e + 1] += 1
+    for e in range(E):
+        start[e + 1] += start[e]
+    P = start[E]
+    fill = start[:E].copy()
+    pair_tok = np.empty(P, np.int64)
+    pair_w = np.empty(P, np.float32)
+    for n in range(N):
+        for j in range(k):
+            e = experts[n, j]
+            if on_host[e]:
+                p = fill[e]
+                fill[e] += 1
+                pair_tok[p] = n
+                pair_w[p] = weights[n, j]
+    G = 0
+    maxc = 0
+    for e in range(E):
+        if start[e + 1] > start[e]:
+            G += 1
+            maxc = max(maxc, start[e + 1] - start[e])
+    gexp = np.empty(G, np.int64)
+    g = 0
+    for e in range(E):
+        if start[e + 1] > start[e]:
+            gexp[g] = e
+            g += 1
+    return start, pair_tok, pair_w, np.arange(P), gexp, maxc
+
+
+@njit(cache=True, nogil=True)
+def _items(start, gexp, F, D, rpi, nthreads, shares, mmin1):
+    """The work items of a call: phase 1's bounds in the flat row space (_phase1_items) and phase
+    2's rows an item. Phase 2 items are blocks of D rows across all experts: an item owns those
+    columns of out for every token, so no element has two writers, and each is summed in
+    ascending expert order whatever the thread count."""
+    bounds = _phase1_items(start, gexp, F, rpi, shares, mmin1)
+    if rpi > 0:
+        rpi2 = max(1, min(rpi, D // (4 * nthreads)))  # >= 4 items a thread
+    else:  # shares: every row costs the same here (all experts in each)
+        rpi2 = (D + shares - 1) // shares
+    return bounds, rpi2
+
+
+@njit(fastmath=True, cache=True, nogil=True)  # as _moe_kernel's: the items' arithmetic must match
+def _share(counter, bounds, n1, rpi2, n2, P, gexp, start, pids, pair_tok, pair_w, x, H, gw, uw, dw, gfmt, ufmt, dfmt,
+           q8, ka, kb, kd, XS, XQK, XDK, XBK, XQ8, X16, XQ0, XD0, HS, HQK, HDK, HBK, HQ8, H16, HQ0, HD0, tab16, tabbf,
+           mmin1, mmin2, maxc, pf, out, zero_items):
+    """One thread's part of a call whose threads take items from shared counters (int64, zeroed,
+    a cache line apart: taken / finished for phase 1, the hidden rows' preparation, phase 2) and
+    wait for the previous phase's items to be finished, not for the other threads: a thread that
+    runs late finishes whatever it took before it waits, so nothing waits on an item that is not
+    running. ``zero_items``: each phase 2 item zeroes its columns of out first (else out is zero
+    already)."""
+    D = x.shape[1]
+    it = _take(counter, 0, n1)
+    while it >= 0:
+        _gate_up_item(bounds[it], bounds[it + 1], gexp, start, pair_tok, x, H, gw, uw, gfmt, ufmt, q8, ka, kb,
+                      XS, XQK, XDK, XBK, XQ8, X16, XQ0, XD0, tab16, tabbf, mmin1, maxc, pf)
+        atomics.fetch_add(counter, 8, 1)
+        it = _take(counter, 0, n1)
+    _await(counter, 8, n1)
+    p = _take(counter, 16, P)
+    while p >= 0:
+        _prepare_row(H, p, kd, kd, HS, HQK, HDK, HBK, HQ8, H16, HQ0, HD0)
+        atomics.fetch_add(counter, 24, 1)
+        p = _take(counter, 16, P)
+    _await(counter, 24, P)
+    it = _take(counter, 32, n2)
+    while it >= 0:
+        r0, r1 = it * rpi2, min(D, (it + 1) * rpi2)
+        if zero_items:
+            for t in range(out.shape[0]):
+                for r in range(r0, r1):
+                    out[t, r] = 0.0
+        _down_item(r0, r1, gexp, start, pids, pair_tok, pair_w, H, dw, dfmt, q8, kd, HS, HQK, HDK, HBK, HQ8, H16, HQ0,
+                   HD0, tab16, tabbf, mmin2, maxc, pf, out)
+        it = _take(counter, 32, n2)
+
+
+@njit(fastmath=True, cache=True, nogil=True)
+def _team_part(out, x, experts, weights, on_host, gw, uw, dw, gfmt, ufmt, dfmt, q8, tab16, tabbf, rpi, mmin1, mmin2,
+               pf, parts, scratch, counter, tid, nthreads):
+    """Thread ``tid``'s part of a layer call on the host team (ffi_bridge.cc): the same items, the
+    same dots in the same order as ``_moe_kernel``'s one region, so the same bits. Every thread
+    groups the pairs and rounds x itself (the same values on each; microseconds for the few tokens
+    a team call has), instead of waiting for one thread to do it; the hidden rows go to
+    ``scratch`` (``team_scratch``, shared), the counters are zero when the call starts."""
+    N, D = x.shape
+    E, F = gw.shape[0], gw.shape[1]
+    start, pair_tok, pair_w, pids, gexp, maxc = _group(experts, weights, on_host, E)
+    P = start[E]
+    if P == 0:
+        if tid == 0:
+            out[:] = 0.0
+        return
+    XS, XQK, XDK, XBK, XQ8, X16, XQ0, XD0 = _act_buffers(N, D)
+    ka, kb, kd = _kind(gfmt, q8), _kind(ufmt, q8), _kind(dfmt, q8)
+    for n in range(N):
+        _prepare_row(x, n, ka, kb, XS, XQK, XDK, XBK, XQ8, X16, XQ0, XD0)
+    H, HS, HQK, HDK, HBK, HQ8, H16, HQ0, HD0 = scratch
+    bounds, rpi2 = _items(start, gexp, F, D, rpi, nthreads, nthreads * parts, mmin1)
+    _share(counter, bounds, bounds.shape[0] - 1, rpi2, (D + rpi2 - 1) // rpi2, P, gexp, start, pids, pair_tok, pair_w,
+           x, H[:P], gw, uw, dw, gfmt, ufmt, dfmt, q8, ka, kb, kd, XS, XQK, XDK, XBK, XQ8, X16, XQ0, XD0, HS[:P],
+           HQK[:P], HDK[:P], HBK[:P], HQ8[:P], H16[:P], HQ0[:P], HD0[:P], tab16, tabbf, mmin1, mmin2, maxc, pf, out, True)
+
+
+def team_scratch(pairs: int, F: int) -> tuple:
+    """The hidden rows of a team call of up to ``pairs`` host pairs, and their activation forms:
+    float32 H [pairs, F], then _act_buffers(pairs, F)'s eight arrays."""
+    return (np.empty((pairs, F), np.float32), *_act_buffers(pairs, F))
+
+
 @njit(inline="always", nogil=True)
 def _item_starts(first):
     """Stamps this thread's first work item of the region (threads beyond ``first``'s slots: none)."""
@@ -603,49 +727,13 @@ def _moe_kernel(out, x, experts, weights, on_host, gw, uw, dw, gfmt, ufmt, dfmt,
     E, F = gw.shape[0], gw.shape[1]
     out[:] = 0.0
 
-    # Group the host pairs by expert (serial: O(N k + E)). Pair p = (token pair_tok[p], expert).
     # The only parallel regions are the prange loops below (no array expressions here: each
     # would be a region of its own, test_host_experts.py counts them).
-    start = _zeros(E + 1)
-    for n in range(N):
-        for j in range(k):
-            e = experts[n, j]
-            if on_host[e]:
-                start[e + 1] += 1
-    for e in range(E):
-        start[e + 1] += start[e]
+    start, pair_tok, pair_w, pids, gexp, maxc = _group(experts, weights, on_host, E)
     P = start[E]
     if P == 0:
         spans[SPAN_CALL] += ticks() - t_in
         return out
-    fill = _zeros(E)
-    for e in range(E):
-        fill[e] = start[e]
-    pair_tok = np.empty(P, np.int64)
-    pair_w = np.empty(P, np.float32)
-    for n in range(N):
-        for j in range(k):
-            e = experts[n, j]
-            if on_host[e]:
-                p = fill[e]
-                fill[e] += 1
-                pair_tok[p] = n
-                pair_w[p] = weights[n, j]
-    G = 0
-    maxc = 0
-    for e in range(E):
-        if start[e + 1] > start[e]:
-            G += 1
-            maxc = max(maxc, start[e + 1] - start[e])
-    pids = _zeros(P)
-    for p in range(P):
-        pids[p] = p
-    gexp = np.empty(G, np.int64)
-    g = 0
-    for e in range(E):
-        if start[e + 1] > start[e]:
-            gexp[g] = e
-            g += 1
 
     # each thread's first start and last end of a work item in the current region, a cache line apart
     first, last = _zeros(8 * nthreads), _zeros(8 * nthreads)
@@ -664,46 +752,18 @@ def _moe_kernel(out, x, experts, weights, on_host, gw, uw, dw, gfmt, ufmt, dfmt,
     H = np.empty((P, F), np.float32)
     HS, HQK, HDK, HBK, HQ8, H16, HQ0, HD0 = _act_buffers(P, F)
     kd = _kind(dfmt, q8)
-    # Phase 1 items are ranges of the flat row space (_phase1_items); phase 2 items are blocks of
-    # D rows across all experts: an item owns those columns of out for every token, so no element
-    # has two writers, and each is summed in ascending expert order whatever the thread count.
-    shares = nthreads * parts if regions == 1 else nthreads
-    bounds = _phase1_items(start, gexp, F, rpi, shares, mmin1)
-    n1 = bounds.shape[0] - 1
-    if rpi > 0:
-        rpi2 = max(1, min(rpi, D // (4 * nthreads)))  # >= 4 items a thread
-    else:  # shares: every row costs the same here (all experts in each)
-        rpi2 = (D + shares - 1) // shares
-    n2 = (D + rpi2 - 1) // rpi2
+    bounds, rpi2 = _items(start, gexp, F, D, rpi, nthreads, nthreads * parts if regions == 1 else nthreads, mmin1)
+    n1, n2 = bounds.shape[0] - 1, (D + rpi2 - 1) // rpi2
 
     if regions == 1:
-        # One parallel region: each thread takes items from shared counters and waits for the
-        # previous phase's items to be finished (not for the other threads: a thread that got two
-        # iterations of the prange finishes whatever it took before it waits, so nothing can wait
-        # on an item that is not running). Counters a cache line apart: taken / finished for
-        # phase 1, the hidden rows' preparation, phase 2.
+        # One parallel region: each thread takes items from shared counters (_share)
         counter = _zeros(5 * 8)
         t0 = ticks()
         for _ in prange(nthreads):
             _item_starts(first)
-            it = _take(counter, 0, n1)
-            while it >= 0:
-                _gate_up_item(bounds[it], bounds[it + 1], gexp, start, pair_tok, x, H, gw, uw, gfmt, ufmt, q8, ka, kb,
-                              XS, XQK, XDK, XBK, XQ8, X16, XQ0, XD0, tab16, tabbf, mmin1, maxc, pf)
-                atomics.fetch_add(counter, 8, 1)
-                it = _take(counter, 0, n1)
-            _await(counter, 8, n1)
-            p = _take(counter, 16, P)
-            while p >= 0:
-                _prepare_row(H, p, kd, kd, HS, HQK, HDK, HBK, HQ8, H16, HQ0, HD0)
-                atomics.fetch_add(counter, 24, 1)
-                p = _take(counter, 16, P)
-            _await(counter, 24, P)
-            it = _take(counter, 32, n2)
-            while it >= 0:
-                _down_item(it * rpi2, min(D, (it + 1) * rpi2), gexp, start, pids, pair_tok, pair_w, H, dw, dfmt, q8,
-                           kd, HS, HQK, HDK, HBK, HQ8, H16, HQ0, HD0, tab16, tabbf, mmin2, maxc, pf, out)
-                it = _take(counter, 32, n2)
+            _share(counter, bounds, n1, rpi2, n2, P, gexp, start, pids, pair_tok, pair_w, x, H, gw, uw, dw, gfmt, ufmt,
+                   dfmt, q8, ka, kb, kd, XS, XQK, XDK, XBK, XQ8, X16, XQ0, XD0, HS, HQK, HDK, HBK, HQ8, H16, HQ0, HD0,
+                   tab16, tabbf, mmin1, mmin2, maxc, pf, out, False)
             _item_ends(last)
         _region_spans(spans, t0, first, last)
         spans[SPAN_CALL] += ticks() - t_in
