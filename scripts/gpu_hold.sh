@@ -20,10 +20,11 @@
 #           llama-bench all on the card and -ncmoe 36, the quarter budget lfu-stream and (time
 #           left) static (issue 9), ratios. (The twentieth session's pallas-q8 card bench is
 #           answered: 269.2 against 276.0 tok/s; layer_kernel_bench.py's *_q8 families stay.)
-#   regions at once after targets: the quarter budget (lfu-stream, static) and n-cpu-moe=36 with a
-#           layer call's host kernels in one parallel region (BLOOMERY_HOST_REGIONS=1) against two,
-#           beside llama.cpp -ncmoe 36 before and after; each record's decode_host_us_per_call_split
-#           says what moved (one fork fewer, the hidden rows rounded in parallel).
+#   team    at once after targets: the quarter budget (lfu-stream, static) and n-cpu-moe=36 with
+#           decode host calls on the host team (BLOOMERY_HOST_TEAM=1: threads that stay awake, no
+#           fork or join), in one parallel region (BLOOMERY_HOST_REGIONS=1) and in two (the
+#           default), beside llama.cpp -ncmoe 36 before and after; each record's
+#           decode_host_us_per_call_split says what moved.
 #           (The twenty-first session's `spins` call is answered: 1M spins +6% on whole calls, nothing
 #           over the halves, now the default.)
 #   hybrid  host kernel layouts and the three bridges (gpu_session.py host), llama-bench -ncmoe 36,
@@ -38,13 +39,13 @@
 #           the default since the sixteenth session, unmeasured end to end) and in two (pallas-qtiles,
 #           the sixteenth session's side-by-side), with time left pallas-q8 and the 8-layer pp512 profile
 #
-#   order: targets (it starts the builds itself), regions at once after it (the build and the file
+#   order: targets (it starts the builds itself), team at once after it (the build and the file
 #           stay in /tmp only while the machine is warm: it goes back 30 s after a call, so have the
 #           next call's command ready before this one returns), then side, trace or hybrid if device
 #           time is left (about 5-10 minutes each; every bench launches decode blocks ahead,
 #           bench --no-lookahead not)
 #
-#   run: bash scripts/gpu_hold.sh trace|side|targets|regions|prefill|hybrid   (ATTN=0 skips the attention bench,
+#   run: bash scripts/gpu_hold.sh trace|side|targets|team|prefill|hybrid   (ATTN=0 skips the attention bench,
 #        LKB=0 the launch-config sweep, so that the committed tables are what runs; QPROF=1
 #        adds the quarter profile; HOST_LAYOUTS narrows gpu_session's host sweep)
 set -u
@@ -97,7 +98,7 @@ targets)
   # one call that measures what the issues' targets need, for a hold that may get only one: our
   # card bench while llama.cpp builds, then beside llama.cpp all on the card and -ncmoe 36, the
   # quarter budget lfu-stream and static (issue 9). On a fresh machine each of our benches
-  # compiles cold (100-135 s; twentieth session), so the quarter budget may not fit: `regions`
+  # compiles cold (100-135 s; twentieth session), so the quarter budget may not fit: `team`
   # after it measures both again
   card_beside_llamacpp
   $B --bridge ffi --signal doorbell bench --only quarter-lfu-stream
@@ -105,18 +106,20 @@ targets)
   [ $SECONDS -lt 400 ] && $B --bridge ffi --signal doorbell bench --only quarter-static
   python3 scripts/gpu_session.py --out $RES compare
   ;;
-regions)
-  # at once after `targets`: one parallel region a host call against two. The twenty-first
-  # session's split (H100 host, lfu-stream): serial 13.4 us (8 + ~1.8 a pair: the hidden rows'
-  # rounding, serial between the regions), wake 14.2 (~6 a fork even with spinning workers), join
-  # 6.4, work 75.4. One region rounds the hidden rows in parallel and forks once: ~10-15 us a
-  # call less predicted, +6-8% on the quarter lfu-stream.
+team)
+  # at once after `targets`. The twenty-first session's split (H100 host, lfu-stream, us a call):
+  # serial 13.4 (8 + ~1.8 a pair: the hidden rows' rounding between the regions), wake 14.2 (~6 a
+  # fork even with spinning workers), join 6.4, work 75.4. Predicted: one region ~10-15 us a call
+  # less (one fork, the hidden rows rounded in parallel), +6-8% on the quarter lfu-stream; the team
+  # ~20-25 us less, +10-12%, and n-cpu-moe=36 +4-6%.
   bash scripts/await_builds.sh 240 || exit 1
   python3 scripts/gpu_session.py --out $RES llamacpp --only ncmoe36
-  for run in r1:quarter-lfu-stream r2:quarter-lfu-stream r1:quarter-static r2:quarter-static r1:ncmoe36 r2:ncmoe36; do
+  for run in team:quarter-lfu-stream r2:quarter-lfu-stream r1:quarter-lfu-stream team:quarter-static r2:quarter-static \
+             team:ncmoe36 r2:ncmoe36; do
     [ $SECONDS -gt ${LAST_START:-440} ] && { echo "$run: skipped, the call's time is nearly spent"; continue; }
     v=${run%%:*}; mkdir -p $RES/$v && cp $RES/llamacpp.json $RES/$v/
-    BLOOMERY_HOST_REGIONS=${v#r} ${B/--out $RES/--out $RES/$v} --bridge ffi --signal doorbell bench --only ${run#*:}
+    env BLOOMERY_HOST_TEAM=$([ $v = team ] && echo 1 || echo 0) BLOOMERY_HOST_REGIONS=$([ $v = r1 ] && echo 1 || echo 2) \
+      ${B/--out $RES/--out $RES/$v} --bridge ffi --signal doorbell bench --only ${run#*:}
     python3 scripts/gpu_session.py --out $RES/$v compare
     pack
   done
