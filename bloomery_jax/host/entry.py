@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from numba import carray, cfunc, types
+from numba import carray, cfunc, njit, types
 from numba.extending import intrinsic
 
 from . import ffi_layout as F
@@ -45,19 +45,24 @@ _SIGNATURE = types.void(types.CPointer(types.int64), types.int64, types.int64, t
                         types.int64, types.int64)
 
 
+@njit(cache=True, nogil=True)
+def _views(rec, x, experts, weights, on_host, out, n):
+    """A call's arrays and its layer's expert tensors and conversion tables, as views of the
+    addresses the call and the record hold."""
+    D, Fr, E, k = rec[F.D], rec[F.F], rec[F.E], rec[F.K]
+    return (carray(_pointer(x, np.float32), (n, D)), carray(_pointer(experts, np.int32), (n, k)),
+            carray(_pointer(weights, np.float32), (n, k)), carray(_pointer(on_host, np.bool_), (E,)),
+            carray(_pointer(out, np.float32), (n, D)),
+            carray(_pointer(rec[F.GATE], np.uint8), (E, Fr, rec[F.GATE_ROW_BYTES])),
+            carray(_pointer(rec[F.UP], np.uint8), (E, Fr, rec[F.UP_ROW_BYTES])),
+            carray(_pointer(rec[F.DOWN], np.uint8), (E, D, rec[F.DOWN_ROW_BYTES])),
+            carray(_pointer(rec[F.TAB16], np.float32), (TABLE_LEN,)),
+            carray(_pointer(rec[F.TABBF], np.float32), (TABLE_LEN,)))
+
+
 @cfunc(_SIGNATURE, cache=True, nogil=True)
 def layer_entry(rec, x, experts, weights, on_host, out, n):
-    D, Fr, E, k = rec[F.D], rec[F.F], rec[F.E], rec[F.K]
-    xa = carray(_pointer(x, np.float32), (n, D))
-    ea = carray(_pointer(experts, np.int32), (n, k))
-    wa = carray(_pointer(weights, np.float32), (n, k))
-    ha = carray(_pointer(on_host, np.bool_), (E,))
-    oa = carray(_pointer(out, np.float32), (n, D))
-    gw = carray(_pointer(rec[F.GATE], np.uint8), (E, Fr, rec[F.GATE_ROW_BYTES]))
-    uw = carray(_pointer(rec[F.UP], np.uint8), (E, Fr, rec[F.UP_ROW_BYTES]))
-    dw = carray(_pointer(rec[F.DOWN], np.uint8), (E, D, rec[F.DOWN_ROW_BYTES]))
-    tab16 = carray(_pointer(rec[F.TAB16], np.float32), (TABLE_LEN,))
-    tabbf = carray(_pointer(rec[F.TABBF], np.float32), (TABLE_LEN,))
+    xa, ea, wa, ha, oa, gw, uw, dw, tab16, tabbf = _views(rec, x, experts, weights, on_host, out, n)
     spans = carray(rec, (F.WORDS,))[F.TICKS:F.TICKS + len(SPANS)]
     _moe_kernel(oa, xa, ea, wa, ha, gw, uw, dw, rec[F.GATE_FMT], rec[F.UP_FMT], rec[F.DOWN_FMT], rec[F.Q8] != 0,
                 tab16, tabbf, rec[F.ROWS_PER_ITEM], rec[F.THREADS], rec[F.MULTI_MIN1], rec[F.MULTI_MIN2],
@@ -74,17 +79,8 @@ def team_entry(rec, x, experts, weights, on_host, out, n, tid, nthreads):
     team of ``ffi_bridge.cc``: the record's ``TEAM_SCRATCH`` holds the addresses of
     ``swiglu.team_scratch``'s nine arrays of ``TEAM_PAIRS`` rows, ``TEAM_COUNTERS`` five zeroed
     counters a cache line apart."""
-    D, Fr, E, k = rec[F.D], rec[F.F], rec[F.E], rec[F.K]
-    xa = carray(_pointer(x, np.float32), (n, D))
-    ea = carray(_pointer(experts, np.int32), (n, k))
-    wa = carray(_pointer(weights, np.float32), (n, k))
-    ha = carray(_pointer(on_host, np.bool_), (E,))
-    oa = carray(_pointer(out, np.float32), (n, D))
-    gw = carray(_pointer(rec[F.GATE], np.uint8), (E, Fr, rec[F.GATE_ROW_BYTES]))
-    uw = carray(_pointer(rec[F.UP], np.uint8), (E, Fr, rec[F.UP_ROW_BYTES]))
-    dw = carray(_pointer(rec[F.DOWN], np.uint8), (E, D, rec[F.DOWN_ROW_BYTES]))
-    tab16 = carray(_pointer(rec[F.TAB16], np.float32), (TABLE_LEN,))
-    tabbf = carray(_pointer(rec[F.TABBF], np.float32), (TABLE_LEN,))
+    Fr = rec[F.F]
+    xa, ea, wa, ha, oa, gw, uw, dw, tab16, tabbf = _views(rec, x, experts, weights, on_host, out, n)
     a = carray(_pointer(rec[F.TEAM_SCRATCH], np.int64), (9,))
     M = rec[F.TEAM_PAIRS]
     scratch = (carray(_pointer(a[0], np.float32), (M, Fr)), carray(_pointer(a[1], np.float32), (M, Fr // 32)),

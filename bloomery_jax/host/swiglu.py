@@ -723,7 +723,6 @@ def _moe_kernel(out, x, experts, weights, on_host, gw, uw, dw, gfmt, ufmt, dfmt,
     # writes float32 out [N, D] (also returned); adds the call's tick spans to spans [SPANS]
     t_in = ticks()
     N, D = x.shape
-    k = experts.shape[1]
     E, F = gw.shape[0], gw.shape[1]
     out[:] = 0.0
 
