@@ -144,12 +144,17 @@ def resolve_overlap(overlap: bool | None) -> bool:
     call does). On an H100 with a quarter of the experts on the card, halves against whole calls
     in one call: lfu-stream 113.2 against 93.1 tok/s, static 86.9 against 75.0 (twenty-first
     session, benchmarks/gpu_2026-12-06-s21)."""
-    if overlap is not None:
-        return bool(overlap)
-    value = os.environ.get("BLOOMERY_FFI_OVERLAP", "1")
-    if value not in ("0", "1"):
-        raise ConfigError(f"BLOOMERY_FFI_OVERLAP={value!r}: want 1 (on) or 0 (off)")
-    return value == "1"
+    return _switch(overlap, "BLOOMERY_FFI_OVERLAP", "1")
+
+
+def _switch(value: bool | None, env: str, default: str) -> bool:
+    """``value``, else the environment variable ``env`` ("1" or "0", else a ConfigError), else ``default``."""
+    if value is not None:
+        return bool(value)
+    setting = os.environ.get(env, default)
+    if setting not in ("0", "1"):
+        raise ConfigError(f"{env}={setting!r}: want 1 (on) or 0 (off)")
+    return setting == "1"
 
 
 # Host calls of at most this many tokens (decode) run on the host team when it is on; a team call
@@ -163,12 +168,7 @@ def resolve_team(team: bool | None) -> bool:
     kernel: ``team``, else ``$BLOOMERY_HOST_TEAM`` ("1" or "0"), else off until the GPU machine
     has measured it. The same bits either way. ``$BLOOMERY_HOST_TEAM_SPIN_US`` (default 20000):
     how long its threads spin after a call before they sleep."""
-    if team is not None:
-        return bool(team)
-    value = os.environ.get("BLOOMERY_HOST_TEAM", "0")
-    if value not in ("0", "1"):
-        raise ConfigError(f"BLOOMERY_HOST_TEAM={value!r}: want 1 (on) or 0 (off)")
-    return value == "1"
+    return _switch(team, "BLOOMERY_HOST_TEAM", "0")
 
 
 def resolve_signal(signal: str | None) -> str:
