@@ -20,11 +20,12 @@
 #           llama-bench all on the card and -ncmoe 36, the quarter budget lfu-stream and (time
 #           left) static (issue 9), ratios. (The twentieth session's pallas-q8 card bench is
 #           answered: 269.2 against 276.0 tok/s; layer_kernel_bench.py's *_q8 families stay.)
-#   team    at once after targets: the quarter budget (lfu-stream, static) and n-cpu-moe=36 with
-#           decode host calls on the host team (BLOOMERY_HOST_TEAM=1: threads that stay awake, no
-#           fork or join), in one parallel region (BLOOMERY_HOST_REGIONS=1) and in two (the
-#           default), beside llama.cpp -ncmoe 36 before and after; each record's
-#           decode_host_us_per_call_split says what moved.
+#   team    after targets, or first (it starts the builds where none ran): the quarter budget
+#           (lfu-stream, static) and n-cpu-moe=36 with decode host calls on the host team
+#           (BLOOMERY_HOST_TEAM=1: threads that stay awake, no fork or join), in one parallel
+#           region (BLOOMERY_HOST_REGIONS=1) and in two (the default), beside llama.cpp -ncmoe 36
+#           before and after; each record's decode_host_us_per_call_split says what moved. RUNS
+#           picks the variant:placement runs, LAST_START and AFTER_BY the call's time marks.
 #           (The twenty-first session's `spins` call is answered: 1M spins +6% on whole calls, nothing
 #           over the halves, now the default.)
 #   hybrid  host kernel layouts and the three bridges (gpu_session.py host), llama-bench -ncmoe 36,
@@ -112,11 +113,13 @@ team)
   # fork even with spinning workers), join 6.4, work 75.4. Predicted: one region ~10-15 us a call
   # less (one fork, the hidden rows rounded in parallel), +6-8% on the quarter lfu-stream; the team
   # ~20-25 us less, +10-12%, and n-cpu-moe=36 +4-6%.
-  bash scripts/await_builds.sh 240 || exit 1
+  # (the first call of a hold where `targets` did not run: the builds start here, ~200 s)
+  bash scripts/start_builds.sh
+  bash scripts/await_builds.sh 330 || exit 1
   python3 scripts/gpu_session.py --out $RES llamacpp --only ncmoe36
-  # issue 8's n-cpu-moe=36 before static and one region: the call may not reach the last runs
-  for run in team:quarter-lfu-stream r2:quarter-lfu-stream team:ncmoe36 r2:ncmoe36 team:quarter-static r2:quarter-static \
-             r1:quarter-lfu-stream; do
+  # issue 8's n-cpu-moe=36 before one region: the call may not reach the last runs
+  for run in ${RUNS:-team:quarter-lfu-stream r2:quarter-lfu-stream team:quarter-static team:ncmoe36 r2:ncmoe36 \
+             r2:quarter-static r1:quarter-lfu-stream}; do
     [ $SECONDS -gt ${LAST_START:-440} ] && { echo "$run: skipped, the call's time is nearly spent"; continue; }
     v=${run%%:*}; mkdir -p $RES/$v && cp $RES/llamacpp.json $RES/$v/
     env BLOOMERY_HOST_TEAM=$([ $v = team ] && echo 1 || echo 0) BLOOMERY_HOST_REGIONS=$([ $v = r1 ] && echo 1 || echo 2) \
@@ -124,7 +127,7 @@ team)
     python3 scripts/gpu_session.py --out $RES/$v compare
     pack
   done
-  [ $SECONDS -lt 510 ] && python3 scripts/gpu_session.py --out $RES/llamacpp-after llamacpp --only ncmoe36
+  [ $SECONDS -lt ${AFTER_BY:-510} ] && python3 scripts/gpu_session.py --out $RES/llamacpp-after llamacpp --only ncmoe36
   ;;
 hybrid)
   timeout 200 python3 scripts/gpu_session.py --out $RES host

@@ -12,7 +12,8 @@ that part up, on the bridges' thread count:
   during which the workers spin or fall asleep), the call through ``entry.layer_entry`` (the C
   function the FFI bridge calls, no Python) under each kernel layout (``--layouts``: ``r2`` two
   parallel regions, ``r1pN`` one region with N shares a thread; ``python``: the default layout
-  through ``host_moe_swiglu``) with m of 8 experts on the host, and the line fitted through
+  through ``host_moe_swiglu``; ``team``: the host team of ``ffi_bridge.cc``, threads that stay
+  awake between calls, through its ``bloomery_ffi_run_host``) with m of 8 experts on the host, and the line fitted through
   m = 1..8: intercept (fixed µs a call) and slope (µs an expert, with its GB/s).
 
 Each call's routing walks through the experts so that its weights come from DRAM.
@@ -51,16 +52,19 @@ def child(args) -> dict:
     from bloomery_jax.host import host_moe_swiglu
     from bloomery_jax.host.bridge import default_threads
     from bloomery_jax.host.entry import layer_entry
-    from bloomery_jax.host.ffi import FfiHostBridge
+    from bloomery_jax.host.ffi import FfiHostBridge, library
     from host_bench import make_layer
 
     threads = default_threads()
     numba.set_num_threads(threads)
     E, K = 128, 8
     layer = make_layer("q4_k_m", E, 768, 2048, distinct=8)
-    bridge = FfiHostBridge({0: layer}, threads=threads, signal="hostfunc")  # its record: what the FFI calls pass
+    bridge = FfiHostBridge({0: layer}, threads=threads, signal="hostfunc", team=True)  # its record: what the FFI calls pass
+    bridge._ensure_team_scratch(K)
     layer, record = bridge.layers[0], bridge._records[0].copy()
     record[F.K] = K  # the FFI handler sets it from the call's operands
+    run_host = library().bloomery_ffi_run_host
+    run_host.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64]
     expert_mb = layer.expert_bytes() / 1e6
     entry = ctypes.CFUNCTYPE(None, ctypes.c_void_p, *[ctypes.c_int64] * 6)(layer_entry.address)
 
@@ -79,12 +83,16 @@ def child(args) -> dict:
         step[0] += 1
         on_host = np.zeros(E, np.bool_)
         on_host[ids[0, :m]] = True
-        if path != "python":  # r2 | r1pN
+        if path.startswith("r"):  # r2 | r1pN
             record[F.REGIONS] = int(path[1])
             record[F.PARTS] = int(path[3:]) if path.startswith("r1p") else 1
+        record[F.TEAM] = int(path == "team")
         t0 = time.perf_counter()
         if path == "python":
             host_moe_swiglu(x, ids, weights, on_host, layer)
+        elif path == "team":
+            run_host(record.ctypes.data, x.ctypes.data, ids.ctypes.data, weights.ctypes.data, on_host.ctypes.data,
+                     out.ctypes.data, 1)
         else:
             entry(record.ctypes.data, x.ctypes.data, ids.ctypes.data, weights.ctypes.data, on_host.ctypes.data,
                   out.ctypes.data, 1)
@@ -127,7 +135,7 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=40)
     p.add_argument("--gaps", default="0,100", help="µs between calls, comma-separated")
     p.add_argument("--waits", default="10k,1M,passive", help=f"of {sorted(SPINS)}, comma-separated")
-    p.add_argument("--layouts", default="r2,r1p1,r1p4", help="r2, r1pN or python, comma-separated")
+    p.add_argument("--layouts", default="r2,r1p1,team", help="r2, r1pN, team or python, comma-separated")
     p.add_argument("--rounds", type=int, default=2, help="times every wait setting is run, in turn")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--json")

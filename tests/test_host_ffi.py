@@ -8,7 +8,10 @@ GPU machine (scripts/bridge_bench.py).
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -242,6 +245,18 @@ def test_overlap_comes_from_the_argument_then_the_environment(monkeypatch):
     monkeypatch.setenv("BLOOMERY_FFI_OVERLAP", "yes")
     with pytest.raises(ConfigError, match="BLOOMERY_FFI_OVERLAP='yes'"):
         resolve_overlap(None)
+
+
+def test_host_team_refuses_the_workqueue_layer():
+    """The host team's threads each start a Numba parallel region at once, which the workqueue
+    threading layer cannot run: asking for the team there is a ConfigError, and off still works."""
+    code = ("from bloomery_jax.host.ffi import resolve_team\n"
+            "assert resolve_team(False) is False\n"
+            "try:\n    resolve_team(True)\nexcept Exception as e:\n    print(type(e).__name__, e)\n")
+    env = dict(os.environ, NUMBA_THREADING_LAYER="workqueue")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.startswith("ConfigError") and "workqueue" in run.stdout
 
 
 def test_prefill_streaming_same_logits_and_bytes_as_callback(synth_model):

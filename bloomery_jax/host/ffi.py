@@ -167,8 +167,28 @@ def resolve_team(team: bool | None) -> bool:
     awake between calls, no parallel region's fork and join) rather than in the Numba parallel
     kernel: ``team``, else ``$BLOOMERY_HOST_TEAM`` ("1" or "0"), else off until the GPU machine
     has measured it. The same bits either way. ``$BLOOMERY_HOST_TEAM_SPIN_US`` (default 20000):
-    how long its threads spin after a call before they sleep."""
-    return _switch(team, "BLOOMERY_HOST_TEAM", "0")
+    how long its threads spin after a call before they sleep. Each team thread starts a Numba
+    parallel region of its own (swiglu._share_alone), which the ``workqueue`` threading layer
+    cannot run from several threads at once: a ConfigError there."""
+    on = _switch(team, "BLOOMERY_HOST_TEAM", "0")
+    if on and _threading_layer() == "workqueue":
+        raise ConfigError("the host team (BLOOMERY_HOST_TEAM=1) needs Numba's omp or tbb threading layer; this "
+                          "process has workqueue (NUMBA_THREADING_LAYER, or no OpenMP or TBB runtime)")
+    return on
+
+
+def _threading_layer() -> str:
+    """The Numba threading layer this process runs parallel regions on (started here if no region
+    has run yet)."""
+    import numba
+
+    try:
+        return numba.threading_layer()
+    except ValueError:  # no parallel region yet: the layer is chosen when the pool starts
+        from numba.np.ufunc.parallel import _launch_threads
+
+        _launch_threads()
+        return numba.threading_layer()
 
 
 def resolve_signal(signal: str | None) -> str:

@@ -135,12 +135,17 @@ class Team {
     int64_t first = 0, last = 0;
   };
 
-  // Thread `tid`'s part; helpers beyond the call's thread count have none.
+  // Thread `tid`'s part; helpers beyond the call's thread count have none. Each part is one Numba
+  // parallel region of one iteration (swiglu._share_alone, for its code), which runs on the thread
+  // that starts it only while that thread's Numba thread count is 1. (The caller's is set again
+  // before each of its kernel calls, RunHost.)
   void Part(int64_t tid) {
     const TeamCall& c = call_;
-    if (tid < c.nthreads)
+    if (tid < c.nthreads) {
+      reinterpret_cast<void (*)(int)>(c.rec[kSetThreads])(1);
       reinterpret_cast<TeamFn>(c.rec[kTeamFn])(c.rec, c.x, c.experts, c.weights, c.on_host, c.out, c.n, tid,
                                                c.nthreads);
+    }
   }
 
   void Grow(int helpers) {
@@ -690,6 +695,13 @@ int bloomery_ffi_test_enqueue(int64_t slot, const void* x, const void* experts, 
   if (e.success()) return 0;
   snprintf(error, error_len, "%s", e.message().c_str());
   return 1;
+}
+
+// For probes of the host call (scripts/host_call_probe.py): the handlers' host work for `rec` on
+// the calling thread (on the host team where the record asks), with no device and no packing.
+void bloomery_ffi_run_host(int64_t* rec, const void* x, const int32_t* experts, const void* weights,
+                           const bool* on_host, void* out, int64_t n) {
+  RunHost(rec, x, experts, weights, on_host, out, n);
 }
 
 // Seating experts on the card (placement/slots.py): rows `ids[0..n)` of a host tensor whose rows

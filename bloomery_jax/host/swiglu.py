@@ -616,16 +616,26 @@ def _items(start, gexp, F, D, rpi, nthreads, shares, mmin1):
     return bounds, rpi2
 
 
-@njit(fastmath=True, cache=True, nogil=True)  # as _moe_kernel's: the items' arithmetic must match
-def _share(counter, bounds, n1, rpi2, n2, P, gexp, start, pids, pair_tok, pair_w, x, H, gw, uw, dw, gfmt, ufmt, dfmt,
-           q8, ka, kb, kd, XS, XQK, XDK, XBK, XQ8, X16, XQ0, XD0, HS, HQK, HDK, HBK, HQ8, H16, HQ0, HD0, tab16, tabbf,
-           mmin1, mmin2, maxc, pf, out, zero_items):
+@njit(inline="always", nogil=True)
+def _share(counter, bounds, n1, rpi2, n2, P, gexp, start, pids, pair_tok, pair_w, x, H, w3, fmt3, q8, kind3, xact, hact,
+           tab16, tabbf, mmin1, mmin2, maxc, pf, out, zero_items):
     """One thread's part of a call whose threads take items from shared counters (int64, zeroed,
     a cache line apart: taken / finished for phase 1, the hidden rows' preparation, phase 2) and
     wait for the previous phase's items to be finished, not for the other threads: a thread that
     runs late finishes whatever it took before it waits, so nothing waits on an item that is not
     running. ``zero_items``: each phase 2 item zeroes its columns of out first (else out is zero
-    already)."""
+    already). ``w3``, ``fmt3``, ``kind3``: gate, up and down; ``xact`` / ``hact``: the activation
+    forms of x and of the hidden rows (_act_buffers).
+
+    Inlined, and only into ``prange`` bodies: the same items compiled in a function of their own
+    ran 1.25x (one region) to 1.5x (the team) slower a host expert on one thread, 2x on the H100
+    host's 14 (twenty-second session; LOG.md). Few enough arguments (< 30) that CPython passes
+    them without ``*args``, which Numba's inliner refuses."""
+    gw, uw, dw = w3
+    gfmt, ufmt, dfmt = fmt3
+    ka, kb, kd = kind3
+    XS, XQK, XDK, XBK, XQ8, X16, XQ0, XD0 = xact
+    HS, HQK, HDK, HBK, HQ8, H16, HQ0, HD0 = hact
     D = x.shape[1]
     it = _take(counter, 0, n1)
     while it >= 0:
@@ -652,6 +662,17 @@ def _share(counter, bounds, n1, rpi2, n2, P, gexp, start, pids, pair_tok, pair_w
         it = _take(counter, 32, n2)
 
 
+@njit(parallel=True, fastmath=True, cache=True, nogil=True)  # the kernel's flags: the items' arithmetic must match
+def _share_alone(counter, bounds, n1, rpi2, n2, P, gexp, start, pids, pair_tok, pair_w, x, H, w3, fmt3, q8, kind3, xact,
+                 hact, tab16, tabbf, mmin1, mmin2, maxc, pf, out, zero_items):
+    """``_share`` on the calling thread alone, compiled as a ``prange`` body (see _share's note).
+    The caller's Numba thread count must be 1 (ffi_bridge.cc's team sets it): the region then runs
+    on the caller, with no workers to wake."""
+    for _ in prange(1):
+        _share(counter, bounds, n1, rpi2, n2, P, gexp, start, pids, pair_tok, pair_w, x, H, w3, fmt3, q8, kind3, xact,
+               hact, tab16, tabbf, mmin1, mmin2, maxc, pf, out, zero_items)
+
+
 @njit(fastmath=True, cache=True, nogil=True)
 def _team_part(out, x, experts, weights, on_host, gw, uw, dw, gfmt, ufmt, dfmt, q8, tab16, tabbf, rpi, mmin1, mmin2,
                pf, parts, scratch, counter, tid, nthreads):
@@ -674,9 +695,11 @@ def _team_part(out, x, experts, weights, on_host, gw, uw, dw, gfmt, ufmt, dfmt, 
         _prepare_row(x, n, ka, kb, XS, XQK, XDK, XBK, XQ8, X16, XQ0, XD0)
     H, HS, HQK, HDK, HBK, HQ8, H16, HQ0, HD0 = scratch
     bounds, rpi2 = _items(start, gexp, F, D, rpi, nthreads, nthreads * parts, mmin1)
-    _share(counter, bounds, bounds.shape[0] - 1, rpi2, (D + rpi2 - 1) // rpi2, P, gexp, start, pids, pair_tok, pair_w,
-           x, H[:P], gw, uw, dw, gfmt, ufmt, dfmt, q8, ka, kb, kd, XS, XQK, XDK, XBK, XQ8, X16, XQ0, XD0, HS[:P],
-           HQK[:P], HDK[:P], HBK[:P], HQ8[:P], H16[:P], HQ0[:P], HD0[:P], tab16, tabbf, mmin1, mmin2, maxc, pf, out, True)
+    _share_alone(counter, bounds, bounds.shape[0] - 1, rpi2, (D + rpi2 - 1) // rpi2, P, gexp, start, pids, pair_tok,
+                 pair_w, x, H[:P], (gw, uw, dw), (gfmt, ufmt, dfmt), q8, (ka, kb, kd),
+                 (XS, XQK, XDK, XBK, XQ8, X16, XQ0, XD0),
+                 (HS[:P], HQK[:P], HDK[:P], HBK[:P], HQ8[:P], H16[:P], HQ0[:P], HD0[:P]), tab16, tabbf, mmin1, mmin2,
+                 maxc, pf, out, True)
 
 
 def team_scratch(pairs: int, F: int) -> tuple:
@@ -760,9 +783,9 @@ def _moe_kernel(out, x, experts, weights, on_host, gw, uw, dw, gfmt, ufmt, dfmt,
         t0 = ticks()
         for _ in prange(nthreads):
             _item_starts(first)
-            _share(counter, bounds, n1, rpi2, n2, P, gexp, start, pids, pair_tok, pair_w, x, H, gw, uw, dw, gfmt, ufmt,
-                   dfmt, q8, ka, kb, kd, XS, XQK, XDK, XBK, XQ8, X16, XQ0, XD0, HS, HQK, HDK, HBK, HQ8, H16, HQ0, HD0,
-                   tab16, tabbf, mmin1, mmin2, maxc, pf, out, False)
+            _share(counter, bounds, n1, rpi2, n2, P, gexp, start, pids, pair_tok, pair_w, x, H, (gw, uw, dw),
+                   (gfmt, ufmt, dfmt), q8, (ka, kb, kd), (XS, XQK, XDK, XBK, XQ8, X16, XQ0, XD0),
+                   (HS, HQK, HDK, HBK, HQ8, H16, HQ0, HD0), tab16, tabbf, mmin1, mmin2, maxc, pf, out, False)
             _item_ends(last)
         _region_spans(spans, t0, first, last)
         spans[SPAN_CALL] += ticks() - t_in
