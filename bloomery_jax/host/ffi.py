@@ -165,9 +165,9 @@ TEAM_TOKENS = 8
 def resolve_team(team: bool | None) -> bool:
     """Whether decode-sized host calls run on ``ffi_bridge.cc``'s host team (threads that stay
     awake between calls, no parallel region's fork and join) rather than in the Numba parallel
-    kernel: ``team``, else ``$BLOOMERY_HOST_TEAM`` ("1" or "0"), else off: on the H100 host its
-    calls ran 1.5x longer than two regions' (twenty-second session, docs/LOG.md), though on one
-    thread they cost the same. The same bits either way. ``$BLOOMERY_HOST_TEAM_SPIN_US`` (default 20000):
+    kernel: ``team``, else ``$BLOOMERY_HOST_TEAM`` ("1" or "0"), else off: on H100 hosts its
+    calls ran 1.3-1.6x longer than two regions' (twenty-second session, docs/LOG.md), though on
+    one thread they cost the same. The same bits either way. ``$BLOOMERY_HOST_TEAM_SPIN_US`` (default 20000):
     how long its threads spin after a call before they sleep. Each team thread starts a Numba
     parallel region of its own (swiglu._share_alone), which the ``workqueue`` threading layer
     cannot run from several threads at once: a ConfigError there."""
