@@ -112,7 +112,8 @@ team)
   # serial 13.4 (8 + ~1.8 a pair: the hidden rows' rounding between the regions), wake 14.2 (~6 a
   # fork even with spinning workers), join 6.4, work 75.4. Predicted: one region ~10-15 us a call
   # less (one fork, the hidden rows rounded in parallel), +6-8% on the quarter lfu-stream; the team
-  # ~20-25 us less, +10-12%, and n-cpu-moe=36 +4-6%.
+  # ~20-25 us less, +10-12%, and n-cpu-moe=36 +4-6%. Measured (twenty-second session): both
+  # slower, their work a call 1.6x and 2x two regions' (docs/LOG.md).
   # (the first call of a hold where `targets` did not run: the builds start here, ~200 s)
   bash scripts/start_builds.sh
   bash scripts/await_builds.sh 330 || exit 1

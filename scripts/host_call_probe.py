@@ -13,8 +13,9 @@ that part up, on the bridges' thread count:
   function the FFI bridge calls, no Python) under each kernel layout (``--layouts``: ``r2`` two
   parallel regions, ``r1pN`` one region with N shares a thread; ``python``: the default layout
   through ``host_moe_swiglu``; ``team``: the host team of ``ffi_bridge.cc``, threads that stay
-  awake between calls, through its ``bloomery_ffi_run_host``) with m of 8 experts on the host, and the line fitted through
-  m = 1..8: intercept (fixed µs a call) and slope (µs an expert, with its GB/s).
+  awake between calls, through its ``bloomery_ffi_run_host``) with m of 8 experts on the host,
+  and the line fitted through m = 1..8: intercept (fixed µs a call) and slope (µs an expert,
+  with its GB/s).
 
 Each call's routing walks through the experts so that its weights come from DRAM.
 

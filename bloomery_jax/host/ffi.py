@@ -167,10 +167,10 @@ def resolve_team(team: bool | None) -> bool:
     awake between calls, no parallel region's fork and join) rather than in the Numba parallel
     kernel: ``team``, else ``$BLOOMERY_HOST_TEAM`` ("1" or "0"), else off: on H100 hosts its
     calls ran 1.3-1.6x longer than two regions' (twenty-second session, docs/LOG.md), though on
-    one thread they cost the same. The same bits either way. ``$BLOOMERY_HOST_TEAM_SPIN_US`` (default 20000):
-    how long its threads spin after a call before they sleep. Each team thread starts a Numba
-    parallel region of its own (swiglu._share_alone), which the ``workqueue`` threading layer
-    cannot run from several threads at once: a ConfigError there."""
+    one thread they cost the same. The same bits either way. ``$BLOOMERY_HOST_TEAM_SPIN_US``
+    (default 20000): how long its threads spin after a call before they sleep. Each team thread
+    starts a Numba parallel region of its own (swiglu._share_alone), which the ``workqueue``
+    threading layer cannot run from several threads at once: a ConfigError there."""
     on = _switch(team, "BLOOMERY_HOST_TEAM", "0")
     if on and _threading_layer() == "workqueue":
         raise ConfigError("the host team (BLOOMERY_HOST_TEAM=1) needs Numba's omp or tbb threading layer; this "

@@ -628,9 +628,9 @@ def _share(counter, bounds, n1, rpi2, n2, P, gexp, start, pids, pair_tok, pair_w
     forms of x and of the hidden rows (_act_buffers).
 
     Inlined, and only into ``prange`` bodies: the same items compiled in a function of their own
-    ran 1.25x (one region) to 1.5x (the team) slower a host expert on one thread, 2x on the H100
-    host's 14 (twenty-second session; LOG.md). Few enough arguments (< 30) that CPython passes
-    them without ``*args``, which Numba's inliner refuses."""
+    ran 1.25x (one region) to 1.5x (the team) slower a host expert, on one thread of the 2-core
+    VM (twenty-second session; LOG.md). Few enough arguments (< 30) that CPython passes them
+    without ``*args``, which Numba's inliner refuses."""
     gw, uw, dw = w3
     gfmt, ufmt, dfmt = fmt3
     ka, kb, kd = kind3
