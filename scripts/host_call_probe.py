@@ -60,7 +60,8 @@ def child(args) -> dict:
     numba.set_num_threads(threads)
     E, K = 128, 8
     layer = make_layer("q4_k_m", E, 768, 2048, distinct=8)
-    bridge = FfiHostBridge({0: layer}, threads=threads, signal="hostfunc", team=True)  # its record: what the FFI calls pass
+    # its record: what the FFI calls pass (with the team's scratch, for the team layout)
+    bridge = FfiHostBridge({0: layer}, threads=threads, signal="hostfunc", team=True)
     bridge._ensure_team_scratch(K)
     layer, record = bridge.layers[0], bridge._records[0].copy()
     record[F.K] = K  # the FFI handler sets it from the call's operands
