@@ -28,6 +28,9 @@
 #           picks the variant:placement runs, LAST_START and AFTER_BY the call's time marks.
 #           (The twenty-first session's `spins` call is answered: 1M spins +6% on whole calls, nothing
 #           over the halves, now the default.)
+#   teamprobe  why the host team's work doubles on the H100 host: host_call_probe.py's r2, r1p1
+#           and team layouts with no card, then the quarter lfu-stream (ours only) with the team's
+#           helpers asleep between calls, and the team and two regions on 12 threads
 #   hybrid  host kernel layouts and the three bridges (gpu_session.py host), llama-bench -ncmoe 36,
 #           quarter budget static and lfu-stream over the FFI bridge with $SIGNAL (default
 #           doorbell), ratios; with QPROF=1
@@ -46,7 +49,7 @@
 #           time is left (about 5-10 minutes each; every bench launches decode blocks ahead,
 #           bench --no-lookahead not)
 #
-#   run: bash scripts/gpu_hold.sh trace|side|targets|team|prefill|hybrid   (ATTN=0 skips the attention bench,
+#   run: bash scripts/gpu_hold.sh trace|side|targets|team|teamprobe|prefill|hybrid   (ATTN=0 skips the attention bench,
 #        LKB=0 the launch-config sweep, so that the committed tables are what runs; QPROF=1
 #        adds the quarter profile; HOST_LAYOUTS narrows gpu_session's host sweep)
 set -u
@@ -129,6 +132,26 @@ team)
     pack
   done
   [ $SECONDS -lt ${AFTER_BY:-510} ] && python3 scripts/gpu_session.py --out $RES/llamacpp-after llamacpp --only ncmoe36
+  ;;
+teamprobe)
+  # what doubles the host team's work on the H100 host (twenty-second session: 2.0x two regions'
+  # on two machines; on the 2-core VM's one thread the same). First the three layouts with no card,
+  # no doorbell and nothing else running (host_call_probe.py: 14 threads, calls back to back and
+  # 100 us apart): if the team is slow here too, the cause is in the call itself (threads, memory),
+  # else in the engine around it. Then the quarter lfu-stream in the engine, ours only: the team
+  # with its helpers asleep between calls (no spinning threads when the card works), and the team
+  # and two regions on 12 threads (four vCPUs free for XLA's and Python's threads).
+  PYTHONPATH=$PYTHONPATH:$PWD/scripts timeout 300 python3 scripts/host_call_probe.py --reps 20 --waits 1M \
+    --gaps 0,100 --layouts r2,r1p1,team --rounds 1 --json $RES/host_call_probe.json
+  pack
+  python3 scripts/gpu_session.py --out /tmp/model48-out model; sync
+  for run in team-spin0:0 r2:0 team-t12:12 r2-t12:12; do  # variant:threads (0: the default, 14)
+    [ $SECONDS -gt ${LAST_START:-470} ] && { echo "$run: skipped, the call's time is nearly spent"; continue; }
+    IFS=: read v t <<< "$run"; mkdir -p $RES/$v
+    env BLOOMERY_HOST_TEAM=$([ ${v%%-*} = team ] && echo 1 || echo 0) BLOOMERY_HOST_TEAM_SPIN_US=$([ $v = team-spin0 ] && echo 0 || echo 20000) \
+      $([ $t -gt 0 ] && echo NUMBA_NUM_THREADS=$t) ${B/--out $RES/--out $RES/$v} --bridge ffi --signal doorbell bench --only quarter-lfu-stream
+    pack
+  done
   ;;
 hybrid)
   timeout 200 python3 scripts/gpu_session.py --out $RES host
