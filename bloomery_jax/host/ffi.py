@@ -179,17 +179,11 @@ def resolve_team(team: bool | None) -> bool:
 
 
 def _threading_layer() -> str:
-    """The Numba threading layer this process runs parallel regions on (started here if no region
-    has run yet)."""
+    """The Numba threading layer this process runs parallel regions on."""
     import numba
 
-    try:
-        return numba.threading_layer()
-    except ValueError:  # no parallel region yet: the layer is chosen when the pool starts
-        from numba.np.ufunc.parallel import _launch_threads
-
-        _launch_threads()
-        return numba.threading_layer()
+    numba.get_num_threads()  # starts the threading layer, as _numba_setter does
+    return numba.threading_layer()
 
 
 def resolve_signal(signal: str | None) -> str:
