@@ -31,10 +31,12 @@
 #   teamprobe  why the host team's work doubles on the H100 host: host_call_probe.py's r2, r1p1
 #           and team layouts with no card, then the quarter lfu-stream (ours only) with the team's
 #           helpers asleep between calls, and the team and two regions on 12 threads
-#   hybrid  host kernel layouts and the three bridges (gpu_session.py host), llama-bench -ncmoe 36,
-#           quarter budget static and lfu-stream over the FFI bridge with $SIGNAL (default
-#           doorbell), ratios; with QPROF=1
-#           and time left, the quarter-static decode profile (8 layers)
+#   hybrid  issue 8 in one call (it starts the builds where none ran): the host's read bandwidth,
+#           the host kernels and the three bridges (gpu_session.py host), llama-bench -ncmoe 36
+#           before and after our n-cpu-moe=36, and the bound the read bandwidth sets for it
+#           (host_bound.py). (The quarter runs it made until the twenty-third session are `team`'s
+#           RUNS="r2:quarter-lfu-stream r2:quarter-static"; the quarter-static decode profile,
+#           QPROF, is dropped.)
 #           (answered and removed: the nineteenth session's `link`, `quarter` and `regions` (the link
 #           and the host share DRAM; one region then still made three), the twenty-first's `overlap`
 #           (halves +21.6% lfu-stream, +15.8% static: the default now); their probes stay in scripts/)
@@ -50,8 +52,7 @@
 #           bench --no-lookahead not)
 #
 #   run: bash scripts/gpu_hold.sh trace|side|targets|team|teamprobe|prefill|hybrid   (ATTN=0 skips the attention bench,
-#        LKB=0 the launch-config sweep, so that the committed tables are what runs; QPROF=1
-#        adds the quarter profile; HOST_LAYOUTS narrows gpu_session's host sweep)
+#        LKB=0 the launch-config sweep, so that the committed tables are what runs; HOST_LAYOUTS narrows gpu_session's host sweep)
 set -u
 call=$1
 OUT=${OUT:-/tmp/gpu_hold_out}
@@ -63,6 +64,21 @@ K="--kernels ${KERNELS:-pallas-bf16} --attention pallas --routing pallas"  # the
 B="python3 scripts/gpu_session.py --out $RES --reps 3 --parallel 1 $K --decode-block 8 --variant-timeout 220"
 M8=/tmp/bloomery/qwen3-30b-a3b-shape-8l-q4km.gguf
 pack() { tar czf "$OUT/$call.tgz" -C "$RES" .; }  # also between runs, where a call may be cut short
+# One of our benches over the FFI bridge as variant $1 (its records under $RES/$1), placement $2:
+# r2 the default (two parallel regions a call), r1 one region, team the host team; -spin0: the
+# team's helpers sleep between calls; -tN: N Numba threads. Compared with llama.cpp where this
+# call ran it.
+bench_as() {
+  local v=$1 place=$2 vars=()
+  case $v in team*) vars+=(BLOOMERY_HOST_TEAM=1) ;; r1*) vars+=(BLOOMERY_HOST_REGIONS=1) ;; esac
+  case $v in *-spin0*) vars+=(BLOOMERY_HOST_TEAM_SPIN_US=0) ;; esac
+  [[ $v =~ -t([0-9]+) ]] && vars+=(NUMBA_NUM_THREADS=${BASH_REMATCH[1]})
+  mkdir -p $RES/$v
+  env "${vars[@]}" ${B/--out $RES/--out $RES/$v} --bridge ffi --signal doorbell bench --only $place
+  [ -f $RES/llamacpp.json ] && [ $v != . ] && cp $RES/llamacpp.json $RES/$v/
+  [ -f $RES/$v/llamacpp.json ] && python3 scripts/gpu_session.py --out $RES/$v compare
+  pack
+}
 # side's and targets' start: the builds (nothing when the trace call's run or are done), our card
 # bench once the file is written and synced (a build may still have cores 0-11: the card bench
 # waits on the card), then llama-bench all on the card and -ncmoe 36
@@ -118,6 +134,8 @@ team)
   # ~20-25 us less, +10-12%, and n-cpu-moe=36 +4-6%. Measured (twenty-second session): both
   # slower, their work a call 1.6x and 2x two regions' (docs/LOG.md).
   # (the first call of a hold where `targets` did not run: the builds start here, ~200 s)
+  # RUNS="r2:quarter-lfu-stream r2:quarter-static" is issue 9's whole measure: llama.cpp -ncmoe 36
+  # before and after our two placements, in one call
   bash scripts/start_builds.sh
   bash scripts/await_builds.sh 330 || exit 1
   python3 scripts/gpu_session.py --out $RES llamacpp --only ncmoe36
@@ -125,11 +143,7 @@ team)
   for run in ${RUNS:-team:quarter-lfu-stream r2:quarter-lfu-stream team:quarter-static team:ncmoe36 r2:ncmoe36 \
              r2:quarter-static r1:quarter-lfu-stream}; do
     [ $SECONDS -gt ${LAST_START:-440} ] && { echo "$run: skipped, the call's time is nearly spent"; continue; }
-    v=${run%%:*}; mkdir -p $RES/$v && cp $RES/llamacpp.json $RES/$v/
-    env BLOOMERY_HOST_TEAM=$([ $v = team ] && echo 1 || echo 0) BLOOMERY_HOST_REGIONS=$([ $v = r1 ] && echo 1 || echo 2) \
-      ${B/--out $RES/--out $RES/$v} --bridge ffi --signal doorbell bench --only ${run#*:}
-    python3 scripts/gpu_session.py --out $RES/$v compare
-    pack
+    bench_as ${run%%:*} ${run#*:}
   done
   [ $SECONDS -lt ${AFTER_BY:-510} ] && python3 scripts/gpu_session.py --out $RES/llamacpp-after llamacpp --only ncmoe36
   ;;
@@ -145,24 +159,25 @@ teamprobe)
     --gaps 0,100 --layouts r2,r1p1,team --rounds 1 --json $RES/host_call_probe.json
   pack
   python3 scripts/gpu_session.py --out /tmp/model48-out model; sync
-  for run in team-spin0:0 r2:0 team-t12:12 r2-t12:12; do  # variant:threads (0: the default, 14)
-    [ $SECONDS -gt ${LAST_START:-470} ] && { echo "$run: skipped, the call's time is nearly spent"; continue; }
-    IFS=: read v t <<< "$run"; mkdir -p $RES/$v
-    env BLOOMERY_HOST_TEAM=$([ ${v%%-*} = team ] && echo 1 || echo 0) BLOOMERY_HOST_TEAM_SPIN_US=$([ $v = team-spin0 ] && echo 0 || echo 20000) \
-      $([ $t -gt 0 ] && echo NUMBA_NUM_THREADS=$t) ${B/--out $RES/--out $RES/$v} --bridge ffi --signal doorbell bench --only quarter-lfu-stream
-    pack
+  for v in ${RUNS:-team-spin0 r2 team-t12 r2-t12}; do
+    [ $SECONDS -gt ${LAST_START:-470} ] && { echo "$v: skipped, the call's time is nearly spent"; continue; }
+    bench_as $v quarter-lfu-stream
   done
   ;;
 hybrid)
-  timeout 200 python3 scripts/gpu_session.py --out $RES host
+  # issue 8's whole measure in one call, a hold's first call or later: the host's read bandwidth
+  # and the host kernels at 1 and 8 tokens (host_bench, the default layout) and the three bridges
+  # (gpu_session.py host), llama.cpp -ncmoe 36 before and after our n-cpu-moe=36, and the bound
+  # the read bandwidth sets for that placement (host_bound.py)
+  bash scripts/start_builds.sh
+  bash scripts/await_builds.sh 330 || exit 1
+  HOST_LAYOUTS=${HOST_LAYOUTS:-0:2} HOST_MEMORY=${HOST_MEMORY:-numpy} timeout 200 python3 scripts/gpu_session.py --out $RES host
+  pack
   python3 scripts/gpu_session.py --out $RES llamacpp --only ncmoe36
-  $B --bridge ffi --signal "${SIGNAL:-doorbell}" bench --only quarter-static,quarter-lfu-stream
-  python3 scripts/gpu_session.py --out $RES compare
-  if [ "${QPROF:-0}" = 1 ] && [ $SECONDS -lt 420 ]; then
-    BLOOMERY_FFI_SIGNAL=${SIGNAL:-doorbell} timeout 150 python3 scripts/profile_decode.py --model $M8 $K \
-      --place card-experts=32 --bridge ffi --decode-block 8 --steps 16 --out /tmp/qprof > "$RES/qprof.log" 2>&1
-    echo "quarter profile: rc $?"; cp /tmp/qprof/profile.json "$RES/profile-quarter-static.json" 2>/dev/null
-  fi
+  bench_as . ncmoe36
+  python3 scripts/host_bound.py --bench $RES/bench-ncmoe36-*.json --host $RES/host_bench.json \
+    --model /tmp/bloomery/qwen3-30b-a3b-shape-q4km.gguf --json $RES/host_bound.json
+  [ $SECONDS -lt ${AFTER_BY:-520} ] && python3 scripts/gpu_session.py --out $RES/llamacpp-after llamacpp --only ncmoe36
   ;;
 prefill)
   # the card bench with the prefill products on quant tiles with x in one bf16 part (pallas-bf16, the

@@ -84,6 +84,30 @@ def test_host_team_matches_the_callback_bridge_bit_for_bit(threads, monkeypatch)
     assert team.stats.calls == 5 * len(names)
 
 
+def test_host_team_gives_the_caller_its_thread_count_back():
+    """A team part runs with its thread's Numba thread count at 1 (so that its region stays on that
+    thread); after a team call the calling thread has the record's count again, for the other
+    parallel Numba code it runs. Called through the C entry on this thread, as the probe does."""
+    import ctypes
+
+    import numba
+
+    bridge = FfiHostBridge({1: _layer("Q4_K_M")}, 2, team=True)
+    bridge._ensure_team_scratch(4)
+    record = bridge._records[1].copy()
+    record[ffi_layout.K] = 4  # the FFI handler sets it from the call's operands
+    x, experts, weights = _routing(np.random.default_rng(3), 1, 4)
+    on_host = np.ones(E, bool)
+    out = np.empty_like(x)
+    run_host = library().bloomery_ffi_run_host
+    run_host.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64]
+    numba.set_num_threads(2)
+    run_host(record.ctypes.data, x.ctypes.data, experts.ctypes.data, weights.ctypes.data, on_host.ctypes.data,
+             out.ctypes.data, 1)
+    assert int(record[ffi_layout.TEAM_CALLS]) == 1 and out.any()
+    assert numba.get_num_threads() == 2
+
+
 def test_dynamic_chunks_give_the_same_result(monkeypatch):
     """With BLOOMERY_HOST_CHUNKSIZE's setting (here 2: work items handed out two at a time as threads
     free up) the handler sets the chunk size through Numba's C setter before each call; every

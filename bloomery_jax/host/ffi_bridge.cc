@@ -115,6 +115,9 @@ class Team {
     }
     Part(0);
     int64_t mine = Ticks();
+    // Part set this thread's Numba thread count to 1; other parallel Numba code it runs (XLA's CPU
+    // thread, the doorbell worker) must find the record's count again
+    reinterpret_cast<void (*)(int)>(rec[kSetThreads])(static_cast<int>(call.nthreads));
     while (pending_.load(std::memory_order_acquire) != 0) Pause();
     int64_t t1 = Ticks(), began = 0, ended = mine;
     for (int i = 0; i < helpers; ++i) {
@@ -137,8 +140,7 @@ class Team {
 
   // Thread `tid`'s part; helpers beyond the call's thread count have none. Each part is one Numba
   // parallel region of one iteration (swiglu._share_alone, for its code), which runs on the thread
-  // that starts it only while that thread's Numba thread count is 1. (The caller's is set again
-  // before each of its kernel calls, RunHost.)
+  // that starts it only while that thread's Numba thread count is 1. (Run sets the caller's back.)
   void Part(int64_t tid) {
     const TeamCall& c = call_;
     if (tid < c.nthreads) {
