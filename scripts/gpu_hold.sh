@@ -31,7 +31,7 @@
 #   teamprobe  why the host team's work doubles on the H100 host: host_call_probe.py's r2, r1p1
 #           and team layouts with no card, then the quarter lfu-stream (ours only) with the team's
 #           helpers asleep between calls, and the team and two regions on 12 threads
-#   hybrid  issue 8 in one call (it starts the builds where none ran): the host's read bandwidth,
+#   hybrid  issue 8 in one call (after a call that started the builds): the host's read bandwidth,
 #           the host kernels and the three bridges (gpu_session.py host), llama-bench -ncmoe 36
 #           before and after our n-cpu-moe=36, and the bound the read bandwidth sets for it
 #           (host_bound.py). (The quarter runs it made until the twenty-third session are `team`'s
@@ -165,13 +165,15 @@ teamprobe)
   done
   ;;
 hybrid)
-  # issue 8's whole measure in one call, a hold's first call or later: the host's read bandwidth
-  # and the host kernels at 1 and 8 tokens (host_bench, the default layout) and the three bridges
-  # (gpu_session.py host), llama.cpp -ncmoe 36 before and after our n-cpu-moe=36, and the bound
-  # the read bandwidth sets for that placement (host_bound.py)
+  # issue 8's whole measure in one call: the host's read bandwidth and the host kernels at 1 and 8
+  # tokens (host_bench, the default layout) and the three bridges (gpu_session.py host), llama.cpp
+  # -ncmoe 36 before and after our n-cpu-moe=36, and the bound the read bandwidth sets for that
+  # placement (host_bound.py). On a fresh H100 (twenty-third session) the builds took 310 s, the
+  # host stage's host_bench 87 s and its bridges over 110 s, our n-cpu-moe=36 147 s: more than
+  # one call. Run it after a call that started the builds (targets, team).
   bash scripts/start_builds.sh
   bash scripts/await_builds.sh 330 || exit 1
-  HOST_LAYOUTS=${HOST_LAYOUTS:-0:2} HOST_MEMORY=${HOST_MEMORY:-numpy} timeout 200 python3 scripts/gpu_session.py --out $RES host
+  HOST_LAYOUTS=${HOST_LAYOUTS:-0:2} HOST_MEMORY=${HOST_MEMORY:-numpy} timeout 280 python3 scripts/gpu_session.py --out $RES host
   pack
   python3 scripts/gpu_session.py --out $RES llamacpp --only ncmoe36
   bench_as . ncmoe36

@@ -118,6 +118,10 @@ def child(args) -> dict:
     for g in args.gaps:
         rows = {}
         for path in args.layouts:
+            # the last layout's threads still spin (OpenMP's workers for GOMP_SPINCOUNT, the team's
+            # helpers for TEAM_SPIN_US): let them sleep first, or this layout's first calls share
+            # the cores with them (twenty-third session: the team's first series 1.9 ms a call)
+            time.sleep(0.5)
             ms = {}
             for m in (0, 1, 2, 4, 6, 8):
                 samples = []

@@ -88,7 +88,7 @@ def team_entry(rec, x, experts, weights, on_host, out, n, tid, nthreads):
                carray(_pointer(a[4], np.int32), (M, Fr // 32)), carray(_pointer(a[5], np.int8), (M, Fr)),
                carray(_pointer(a[6], np.int16), (M, Fr // 16)), carray(_pointer(a[7], np.int16), (M, Fr)),
                carray(_pointer(a[8], np.float32), (M, Fr // 32)))
-    counter = carray(_pointer(rec[F.TEAM_COUNTERS], np.int64), (5 * 8,))
+    counter = carray(_pointer(rec[F.TEAM_COUNTERS], np.int64), (F.COUNTER_WORDS,))
     _team_part(oa, xa, ea, wa, ha, gw, uw, dw, rec[F.GATE_FMT], rec[F.UP_FMT], rec[F.DOWN_FMT], rec[F.Q8] != 0,
                tab16, tabbf, rec[F.ROWS_PER_ITEM], rec[F.MULTI_MIN1], rec[F.MULTI_MIN2], rec[F.PREFETCH_ROWS],
                rec[F.PARTS], scratch, counter, tid, nthreads)

@@ -45,7 +45,7 @@
 #include <utility>
 #include <vector>
 
-#include "bloomery_ffi_layout.h"  // enum Field: the record's words, generated from ffi_layout.py
+#include "bloomery_ffi_layout.h"  // enum Field (the record's words) and kCounterWords, generated from ffi_layout.py
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -102,7 +102,7 @@ class Team {
     if (!busy.owns_lock()) return false;
     Grow(static_cast<int>(call.nthreads) - 1);
     int64_t* rec = call.rec;
-    std::memset(reinterpret_cast<void*>(rec[kTeamCounters]), 0, 5 * 64);
+    std::memset(reinterpret_cast<void*>(rec[kTeamCounters]), 0, kCounterWords * sizeof(int64_t));
     call_ = call;
     spin_us_.store(rec[kTeamSpinUs], std::memory_order_relaxed);
     int helpers = static_cast<int>(helpers_.size());

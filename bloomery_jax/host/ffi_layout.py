@@ -20,7 +20,7 @@ FIELDS = (
     # The host team (ffi_bridge.cc): calls of at most TEAM_TOKENS tokens run on threads that stay
     # awake between calls (TEAM_SPIN_US after the last), each running TEAM_FN (entry.team_entry)
     # for its part; 0 in TEAM: every call runs FN. TEAM_SCRATCH: address of the addresses of
-    # swiglu.team_scratch's arrays (TEAM_PAIRS rows); TEAM_COUNTERS: int64 [40].
+    # swiglu.team_scratch's arrays (TEAM_PAIRS rows); TEAM_COUNTERS: int64 [COUNTER_WORDS].
     "TEAM", "TEAM_FN", "TEAM_TOKENS", "TEAM_SPIN_US", "TEAM_SCRATCH", "TEAM_PAIRS", "TEAM_COUNTERS",
     "TEAM_CALLS",  # calls the team ran, added to by the bridge
 )
@@ -29,10 +29,13 @@ WORDS = len(FIELDS)
 # callback thread runs it) or "doorbell" (the stream writes the call's id to pinned memory, a
 # spinning worker of ours runs it and writes the id back, the stream waits for that value).
 SIGNALS = ("hostfunc", "doorbell")
+# The work-item counters of a call whose threads take items as they free up (swiglu._share: five
+# int64 counters a cache line apart), as TEAM_COUNTERS holds them and the one-region kernel makes them
+COUNTER_WORDS = 5 * 8
 globals().update({name: i for i, name in enumerate(FIELDS)})
 
 
 def c_header() -> str:
     """The ``Field`` enum for ``ffi_bridge.cc``."""
     names = "".join(f"  k{name.title().replace('_', '')} = {i},\n" for i, name in enumerate(FIELDS))
-    return f"enum Field : int {{\n{names}  kWords = {WORDS}\n}};\n"
+    return f"enum Field : int {{\n{names}  kWords = {WORDS}\n}};\nconstexpr int kCounterWords = {COUNTER_WORDS};\n"

@@ -94,6 +94,7 @@ from numba import njit, prange
 
 from . import atomics
 from . import blocks as B
+from .ffi_layout import COUNTER_WORDS
 from .simd import prefetch
 from .ticks import ticks
 
@@ -779,7 +780,7 @@ def _moe_kernel(out, x, experts, weights, on_host, gw, uw, dw, gfmt, ufmt, dfmt,
 
     if regions == 1:
         # One parallel region: each thread takes items from shared counters (_share)
-        counter = _zeros(5 * 8)
+        counter = _zeros(COUNTER_WORDS)
         t0 = ticks()
         for _ in prange(nthreads):
             _item_starts(first)
