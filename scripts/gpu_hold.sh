@@ -30,7 +30,10 @@
 #           over the halves, now the default.)
 #   teamprobe  why the host team's work doubles on the H100 host: host_call_probe.py's r2, r1p1
 #           and team layouts with no card, then the quarter lfu-stream (ours only) with the team's
-#           helpers asleep between calls, and the team and two regions on 12 threads
+#           helpers asleep between calls, and the team and two regions on 12 threads (RUNS names
+#           the variants, as bench_as reads them). Twenty-third session: the probe's team calls ran
+#           right after r2's, beside its spinning OpenMP workers (it now sleeps between layouts);
+#           in the engine the team ran 47.4 against two regions' 60.4 tok/s, asleep 32.6
 #   hybrid  issue 8 in one call (after a call that started the builds): the host's read bandwidth,
 #           the host kernels and the three bridges (gpu_session.py host), llama-bench -ncmoe 36
 #           before and after our n-cpu-moe=36, and the bound the read bandwidth sets for it
