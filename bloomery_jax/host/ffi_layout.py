@@ -36,6 +36,6 @@ globals().update({name: i for i, name in enumerate(FIELDS)})
 
 
 def c_header() -> str:
-    """The ``Field`` enum for ``ffi_bridge.cc``."""
+    """The ``Field`` enum and ``kCounterWords`` for ``ffi_bridge.cc``."""
     names = "".join(f"  k{name.title().replace('_', '')} = {i},\n" for i, name in enumerate(FIELDS))
     return f"enum Field : int {{\n{names}  kWords = {WORDS}\n}};\nconstexpr int kCounterWords = {COUNTER_WORDS};\n"
