@@ -29,11 +29,10 @@
 #           (The twenty-first session's `spins` call is answered: 1M spins +6% on whole calls, nothing
 #           over the halves, now the default.)
 #   teamprobe  why the host team's work doubles on the H100 host: host_call_probe.py's r2, r1p1
-#           and team layouts with no card, then the quarter lfu-stream (ours only) with the team's
-#           helpers asleep between calls, and the team and two regions on 12 threads (RUNS names
-#           the variants, as bench_as reads them). Twenty-third session: the probe's team calls ran
-#           right after r2's, beside its spinning OpenMP workers (it now sleeps between layouts);
-#           in the engine the team ran 47.4 against two regions' 60.4 tok/s, asleep 32.6
+#           and team layouts with no card, then the quarter lfu-stream (ours only) in one region, two,
+#           the team spinning 300 us after a call and the team on 12 threads (RUNS names them).
+#           Twenty-third session: the team ran 47.4 against two regions' 60.4 tok/s, 32.6 asleep
+#           between calls; the probe's team calls had run beside r2's spinning OpenMP workers
 #   hybrid  issue 8 in one call (after a call that started the builds): the host's read bandwidth,
 #           the host kernels and the three bridges (gpu_session.py host), llama-bench -ncmoe 36
 #           before and after our n-cpu-moe=36, and the bound the read bandwidth sets for it
@@ -68,13 +67,13 @@ B="python3 scripts/gpu_session.py --out $RES --reps 3 --parallel 1 $K --decode-b
 M8=/tmp/bloomery/qwen3-30b-a3b-shape-8l-q4km.gguf
 pack() { tar czf "$OUT/$call.tgz" -C "$RES" .; }  # also between runs, where a call may be cut short
 # One of our benches over the FFI bridge as variant $1 (its records under $RES/$1), placement $2:
-# r2 the default (two parallel regions a call), r1 one region, team the host team; -spin0: the
-# team's helpers sleep between calls; -tN: N Numba threads. Compared with llama.cpp where this
-# call ran it.
+# r2 the default (two parallel regions a call), r1 one region, team the host team; -spinN: the
+# team's helpers spin N us after a call (0: they sleep at once; default 20000); -tN: N Numba
+# threads. Compared with llama.cpp where this call ran it.
 bench_as() {
   local v=$1 place=$2 vars=()
   case $v in team*) vars+=(BLOOMERY_HOST_TEAM=1) ;; r1*) vars+=(BLOOMERY_HOST_REGIONS=1) ;; esac
-  case $v in *-spin0*) vars+=(BLOOMERY_HOST_TEAM_SPIN_US=0) ;; esac
+  [[ $v =~ -spin([0-9]+) ]] && vars+=(BLOOMERY_HOST_TEAM_SPIN_US=${BASH_REMATCH[1]})
   [[ $v =~ -t([0-9]+) ]] && vars+=(NUMBA_NUM_THREADS=${BASH_REMATCH[1]})
   mkdir -p $RES/$v
   env "${vars[@]}" ${B/--out $RES/--out $RES/$v} --bridge ffi --signal doorbell bench --only $place
@@ -151,18 +150,20 @@ team)
   [ $SECONDS -lt ${AFTER_BY:-510} ] && python3 scripts/gpu_session.py --out $RES/llamacpp-after llamacpp --only ncmoe36
   ;;
 teamprobe)
-  # what doubles the host team's work on the H100 host (twenty-second session: 2.0x two regions'
-  # on two machines; on the 2-core VM's one thread the same). First the three layouts with no card,
-  # no doorbell and nothing else running (host_call_probe.py: 14 threads, calls back to back and
-  # 100 us apart): if the team is slow here too, the cause is in the call itself (threads, memory),
-  # else in the engine around it. Then the quarter lfu-stream in the engine, ours only: the team
-  # with its helpers asleep between calls (no spinning threads when the card works), and the team
-  # and two regions on 12 threads (four vCPUs free for XLA's and Python's threads).
+  # what doubles the host team's work on the H100 host (2.0x two regions' on three machines; on
+  # the VM's 2 threads the team costs what two regions do, twenty-third session). First the three
+  # layouts with no card, no doorbell and nothing else running (host_call_probe.py: 14 threads,
+  # calls back to back and 100 us apart, each layout after the last one's threads sleep): if the
+  # team is slow here too, the cause is in the call itself, else in the engine around it. Then
+  # the quarter lfu-stream in the engine, ours only (RUNS, bench_as's variant names).
   PYTHONPATH=$PYTHONPATH:$PWD/scripts timeout 300 python3 scripts/host_call_probe.py --reps 20 --waits 1M \
     --gaps 0,100 --layouts r2,r1p1,team --rounds 1 --json $RES/host_call_probe.json
   pack
   python3 scripts/gpu_session.py --out /tmp/model48-out model; sync
-  for v in ${RUNS:-team-spin0 r2 team-t12 r2-t12}; do
+  # one region (unmeasured on the card since the twenty-second session's inlining fix; on the VM's
+  # 2 threads 270-307 us an expert against two regions' 309-314), two regions, the team with its
+  # helpers spinning about one gap between calls (not 20 ms), the team on 12 threads
+  for v in ${RUNS:-r1 r2 team-spin300 team-t12}; do
     [ $SECONDS -gt ${LAST_START:-470} ] && { echo "$v: skipped, the call's time is nearly spent"; continue; }
     bench_as $v quarter-lfu-stream
   done
