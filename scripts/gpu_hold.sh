@@ -37,7 +37,7 @@
 #           the host kernels and the three bridges (gpu_session.py host), llama-bench -ncmoe 36
 #           before and after our n-cpu-moe=36, and the bound the read bandwidth sets for it
 #           (host_bound.py). (The quarter runs it made until the twenty-third session are `team`'s
-#           RUNS="r2:quarter-lfu-stream r2:quarter-static"; the quarter-static decode profile,
+#           RUNS="r2:quarter-static r2:quarter-lfu r2:quarter-lfu-stream"; the quarter-static decode profile,
 #           QPROF, is dropped.)
 #           (answered and removed: the nineteenth session's `link`, `quarter` and `regions` (the link
 #           and the host share DRAM; one region then still made three), the twenty-first's `overlap`
@@ -136,8 +136,9 @@ team)
   # ~20-25 us less, +10-12%, and n-cpu-moe=36 +4-6%. Measured (twenty-second session): both
   # slower, their work a call 1.6x and 2x two regions' (docs/LOG.md).
   # (the first call of a hold where `targets` did not run: the builds start here, ~200 s)
-  # RUNS="r2:quarter-lfu-stream r2:quarter-static" is issue 9's whole measure: llama.cpp -ncmoe 36
-  # before and after our two placements, in one call
+  # RUNS="r2:quarter-static r2:quarter-lfu r2:quarter-lfu-stream" is issue 9's whole measure:
+  # llama.cpp -ncmoe 36 before and after residency off, the swap rule, and the swap rule with
+  # prompt streaming, in one call (~420 s on a warm machine)
   bash scripts/start_builds.sh
   bash scripts/await_builds.sh 330 || exit 1
   python3 scripts/gpu_session.py --out $RES llamacpp --only ncmoe36
