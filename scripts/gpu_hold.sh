@@ -65,13 +65,14 @@ K="--kernels ${KERNELS:-pallas-bf16} --attention pallas --routing pallas"  # the
 [ "${TUNED:-1}" = 1 ] && [ -s /tmp/gemv_tuned.json ] && export BLOOMERY_GEMV_TUNED=/tmp/gemv_tuned.json
 B="python3 scripts/gpu_session.py --out $RES --reps 3 --parallel 1 $K --decode-block 8 --variant-timeout 220"
 M8=/tmp/bloomery/qwen3-30b-a3b-shape-8l-q4km.gguf
+M48=/tmp/bloomery/qwen3-30b-a3b-shape-q4km.gguf
 pack() { tar czf "$OUT/$call.tgz" -C "$RES" .; }  # also between runs, where a call may be cut short
 # One of our benches over the FFI bridge as variant $1 (its records under $RES/$1), placement $2:
 # r2 the default (two parallel regions a call), r1 one region, team the host team; -spinN: the
 # team's helpers spin N us after a call (0: they sleep at once; default 20000); -tN: N Numba
 # threads. Compared with llama.cpp where this call ran it.
 bench_as() {
-  local v=$1 place=$2 vars=()
+  local v=$1 place=$2 vars=(BLOOMERY_HOST_TEAM=0 BLOOMERY_HOST_REGIONS=2)  # the defaults, whatever the caller exported
   case $v in team*) vars+=(BLOOMERY_HOST_TEAM=1) ;; r1*) vars+=(BLOOMERY_HOST_REGIONS=1) ;; esac
   [[ $v =~ -spin([0-9]+) ]] && vars+=(BLOOMERY_HOST_TEAM_SPIN_US=${BASH_REMATCH[1]})
   [[ $v =~ -t([0-9]+) ]] && vars+=(NUMBA_NUM_THREADS=${BASH_REMATCH[1]})
@@ -183,7 +184,7 @@ hybrid)
   python3 scripts/gpu_session.py --out $RES llamacpp --only ncmoe36
   bench_as . ncmoe36
   python3 scripts/host_bound.py --bench $RES/bench-ncmoe36-*.json --host $RES/host_bench.json \
-    --model /tmp/bloomery/qwen3-30b-a3b-shape-q4km.gguf --json $RES/host_bound.json
+    --model $M48 --json $RES/host_bound.json
   [ $SECONDS -lt ${AFTER_BY:-520} ] && python3 scripts/gpu_session.py --out $RES/llamacpp-after llamacpp --only ncmoe36
   ;;
 prefill)
