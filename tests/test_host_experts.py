@@ -195,6 +195,10 @@ def _rows(rng, n, K):
     x[1, :256] = -np.abs(x[1, :256])
     x[2, 256:512] = 0  # an all-zero block
     x[3, :32] = np.float32(0.5) * np.arange(32)  # exact halves: rint's ties go to even
+    if n > 5:
+        top = 2 * np.abs(x[4, 256:512]).max()
+        x[4, 260], x[4, 300] = -top, top  # equal largest magnitudes: the first sets the sign
+        x[5, 511] = 2 * np.abs(x[5, 256:512]).max()  # the block's largest in its last element
     return x
 
 

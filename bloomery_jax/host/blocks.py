@@ -452,6 +452,22 @@ def dot_f16(row, x, tab):
 # Activation rounding, bit-equal with bloomery_jax.ops.actquant (ggml-cpu's x86 paths)
 
 
+_ABS_BITS = i32(0x7FFFFFFF)  # a float32's bits without the sign: for non-NaN x they order as |x|
+_INF_BITS = i32(0x7F800000)  # above this, a NaN
+
+
+@njit(**_JIT_EXACT)
+def _abs_top(bits):
+    """The largest |x| of x's float32 ``bits`` (int32), as bits without the sign; NaNs left out.
+    Integer lanes: LLVM vectorizes this (vpmaxsd) where it would not the float scan (every int32
+    kept int32: Numba widens int32 arithmetic to int64, which halves the lanes)."""
+    top = i32(0)
+    for j in range(bits.shape[0]):
+        a = i32(bits[j] & _ABS_BITS)
+        top = max(top, a if a <= _INF_BITS else i32(0))
+    return top
+
+
 @njit(**_JIT_EXACT)
 def quantize_q8_k(x, xq, xd, xb):
     """float32 x [K] → Q8_K: xq int16 [K], xd float32 [K / 256], xb int32 [K / 32] (sums of xq).
@@ -461,32 +477,37 @@ def quantize_q8_k(x, xq, xd, xb):
 
     Per 256: the first element of largest |x| sets ``iscale = -127 / x_max``; ``q = min(127,
     rint(iscale * x))`` (half to even, as ggml's nearest_int) and the value is ``q * (1 / iscale)``.
+    The largest |x| is found per 32 on the bits (_abs_top), then the first element holding it, in
+    the first 32 that does: the same element as one scalar scan, 1.91 against 2.80 us for K = 2048
+    and 0.79 against 1.07 for 768 (one core of the 2-core VM, twenty-third session).
     """
+    tops = np.empty(8, np.int32)
     for b in range(x.shape[0] // QK_K):
         x0 = b * QK_K
-        amax = f32(0)
-        vmax = f32(0)
-        for j in range(QK_K):
-            a = abs(x[x0 + j])
-            if a > amax:
-                amax = a
-                vmax = x[x0 + j]
-        if amax == 0:
+        bits = x[x0:x0 + QK_K].view(np.int32)
+        top = i32(0)
+        for c in range(8):
+            tops[c] = _abs_top(bits[32 * c:32 * c + 32])
+            top = max(top, tops[c])
+        if top == 0:
             xd[b] = 0
-            for j in range(QK_K):
-                xq[x0 + j] = 0
-            for j in range(8):
-                xb[b * 8 + j] = 0
+            xq[x0:x0 + QK_K] = 0
+            xb[b * 8:b * 8 + 8] = 0
             continue
-        iscale = f32(f32(-127.0) / vmax)
+        first = 0
+        while tops[first // 32] != top:
+            first += 32
+        while i32(bits[first] & _ABS_BITS) != top:
+            first += 1
+        iscale = f32(f32(-127.0) / x[x0 + first])
         for j in range(QK_K):
             v = np.rint(f32(iscale * x[x0 + j]))
             xq[x0 + j] = np.int16(min(f32(127.0), v))
         xd[b] = f32(f32(1.0) / iscale)
         for j in range(8):
-            s = 0
+            s = i32(0)
             for i in range(32):
-                s += np.int64(xq[x0 + 32 * j + i])
+                s = i32(s + i32(xq[x0 + 32 * j + i]))
             xb[b * 8 + j] = s
 
 
