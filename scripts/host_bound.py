@@ -4,10 +4,11 @@
         --model /tmp/bloomery/qwen3-30b-a3b-shape-q4km.gguf [--json OUT/host_bound.json]
 
 Issue 8 asks hybrid decode to come within 15% of "the bound that the host's bandwidth sets for
-that placement". For a rule that puts whole layers' experts on the host (``n-cpu-moe=N``,
-``cpu-moe``), every decode token reads its k routed experts of each host layer from host memory:
-``host_bytes`` = sum over host layers of k * (the layer's gate, up and down expert bytes / E),
-from the file's own tensor sizes. At the read bandwidth host_bench measured (a Numba parallel sum
+that placement". For a placement that puts whole layers' experts on the host (``n-cpu-moe=N``,
+``cpu-moe``, ``last-cpu-moe=N``, or an ``override`` that moves whole layers), every decode token
+reads its k routed experts of each host layer from host memory: ``host_bytes`` = sum over host
+layers of k * the layer's bytes of one expert, as the loader places them (``parse_rule(...).place``
+over ``ExpertLayout.from_file``). At the read bandwidth host_bench measured (a Numba parallel sum
 at the bridge's thread count) that takes ``host_bytes / BW`` at least. Two bounds:
 
 - ``host_only``: the token takes no more than the host's reads (the card and the bridge free);
@@ -21,43 +22,30 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from pathlib import Path
 
-ROLES = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+from bloomery_jax.gguf_file import GGUFFile
+from bloomery_jax.models.registry import module_for_file
+from bloomery_jax.placement import ExpertLayout, parse_rule
 
 
-def expert_bytes_by_layer(model: Path) -> tuple[dict[int, float], int]:
-    """Bytes of one routed expert (gate + up + down) of each MoE layer, and E."""
-    from gguf import GGUFReader  # the device carries gguf as a wheel; imported where it is needed
-
-    reader = GGUFReader(str(model))
-    per_layer: dict[int, int] = {}
-    experts = 0
-    for t in reader.tensors:
-        m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", t.name)
-        if m and m.group(2) in ROLES:
-            layer = int(m.group(1))
-            per_layer[layer] = per_layer.get(layer, 0) + int(t.n_bytes)
-            experts = int(t.shape[-1])  # gguf lists dims fastest first: [in, out, E]
-    if not per_layer:
-        raise SystemExit(f"{model}: no routed expert tensors ({', '.join(ROLES)})")
-    return {layer: b / experts for layer, b in per_layer.items()}, experts
-
-
-def host_layers(rule: str, layers: list[int]) -> list[int]:
-    """The MoE layers whose experts the rule puts on the host (whole-layer rules only)."""
-    if rule == "cpu-moe":
-        return layers
-    m = re.fullmatch(r"(n|last)-cpu-moe=(\d+)", rule)
-    if m:
-        n = int(m.group(2))
-        if n > len(layers):
-            raise SystemExit(f"placement {rule!r}: the file has {len(layers)} MoE layers")
-        return layers[:n] if m.group(1) == "n" else layers[len(layers) - n:]
-    raise SystemExit(f"placement {rule!r}: the bound needs a rule that moves whole layers "
-                     "(cpu-moe, n-cpu-moe=N, last-cpu-moe=N); a budget or residency rule's host bytes vary by token")
+def host_layer_bytes(model: Path, rule: str) -> tuple[dict[int, int], int, int]:
+    """The layers the rule puts on the host, each with its bytes of one expert; E; the experts a
+    token routes to (k). A layer with experts on both sides is refused: its host bytes a token
+    depend on the routing."""
+    gf = GGUFFile(model)
+    module = module_for_file(gf)
+    cfg = module.Config.from_gguf(gf)
+    layout = ExpertLayout.from_file(gf, module.tensor_specs(cfg))
+    on_card = parse_rule(rule).place(layout)  # [L, E] bool
+    split = [layer for layer in range(layout.n_layers) if 0 < on_card[layer].sum() < layout.n_experts]
+    if split:
+        raise SystemExit(f"placement {rule!r}: layers {split} have experts on both sides; the bound needs "
+                         "whole layers on the host (a budget or residency rule's host bytes vary by token)")
+    host = {layer: layout.expert_bytes[layer] for layer in range(layout.n_layers)
+            if layout.expert_bytes[layer] and not on_card[layer].any()}
+    return host, layout.n_experts, cfg.n_experts_used
 
 
 def main(argv=None) -> None:
@@ -65,7 +53,6 @@ def main(argv=None) -> None:
     p.add_argument("--bench", type=Path, required=True, help="a bench JSON with a tg record over a host bridge")
     p.add_argument("--host", type=Path, required=True, help="host_bench.py's JSON from the same call (read bandwidth)")
     p.add_argument("--model", type=Path, required=True, help="the GGUF the bench ran")
-    p.add_argument("--k", type=int, default=8, help="experts a token routes to")
     p.add_argument("--json", type=Path, help="write the result here")
     args = p.parse_args(argv)
 
@@ -76,15 +63,14 @@ def main(argv=None) -> None:
     placed = rec["placement"]
     bandwidth = json.loads(args.host.read_text())["bandwidth"]
     threads, bw = max(bandwidth.items(), key=lambda kv: int(kv[0]))  # the bridge's count: host_bench's largest
-    per_expert, experts = expert_bytes_by_layer(args.model)
-    host = host_layers(placed["rule"], sorted(per_expert))
-    host_bytes = sum(args.k * per_expert[layer] for layer in host)
+    host, experts, k = host_layer_bytes(args.model, placed["rule"])
+    host_bytes = sum(k * b for b in host.values())
     t_token = 1.0 / rec["tps_median"]
     t_other = t_token * (1.0 - placed["decode_host_share"])
     t_reads = host_bytes / (bw * 1e9)
     t_host = t_token * placed["decode_host_share"]
     result = dict(
-        bench=str(args.bench), rule=placed["rule"], host_layers=len(host), experts=experts, k=args.k,
+        bench=str(args.bench), rule=placed["rule"], host_layers=len(host), experts=experts, k=k,
         host_bytes_per_token=host_bytes, read_bandwidth_GBps=bw, bandwidth_threads=int(threads),
         tps=rec["tps_median"], token_ms=t_token * 1e3, host_ms=t_host * 1e3, other_ms=t_other * 1e3,
         reads_ms=t_reads * 1e3, host_GBps=host_bytes / t_host / 1e9,
