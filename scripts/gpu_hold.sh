@@ -179,7 +179,7 @@ hybrid)
   # one call. Run it after a call that started the builds (targets, team).
   bash scripts/start_builds.sh
   bash scripts/await_builds.sh 330 || exit 1
-  HOST_LAYOUTS=${HOST_LAYOUTS:-0:2} HOST_MEMORY=${HOST_MEMORY:-numpy} timeout 280 python3 scripts/gpu_session.py --out $RES host
+  HOST_LAYOUTS=${HOST_LAYOUTS:-0:1260,0:2304,0:4608} HOST_MEMORY=${HOST_MEMORY:-numpy} timeout 280 python3 scripts/gpu_session.py --out $RES host
   pack
   python3 scripts/gpu_session.py --out $RES llamacpp --only ncmoe36
   bench_as . ncmoe36

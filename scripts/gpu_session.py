@@ -231,10 +231,10 @@ def stage_bench(args) -> None:
 
 def stage_host(args) -> None:
     # the decode question: one and eight tokens at the thread count the bridge uses (cores - 2),
-    # under each work-item layout (rows per item : software prefetch rows ahead)
+    # under each work-item layout (rows per item : software prefetch bytes ahead)
     threads = str(max(1, (os.cpu_count() or 3) - 2))
     host = ["--weights", "q4_k_m", "--acts", "q8", "--tokens", "1,8", "--threads", threads,
-            "--layouts", os.environ.get("HOST_LAYOUTS", "0:2,0:4,64:0,64:2"),
+            "--layouts", os.environ.get("HOST_LAYOUTS", "0:1260,0:2304,0:4608,0:9216"),
             "--memory", os.environ.get("HOST_MEMORY", "numpy,huge")]
     if args.tiny:
         host += ["--reps", "3", "--d", "256", "--f", "256", "--experts", "16"]

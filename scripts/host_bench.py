@@ -45,7 +45,7 @@ from numba import njit, prange
 from bloomery_jax.host import HostExpertLayer, HostTensor, host_moe_swiglu
 from bloomery_jax.host.memory import host_buffer, huge_page_bytes
 from bloomery_jax.host import blocks as B
-from bloomery_jax.host.swiglu import CHUNKSIZE, PREFETCH_ROWS, ROWS_PER_ITEM
+from bloomery_jax.host.swiglu import CHUNKSIZE, PREFETCH_BYTES, ROWS_PER_ITEM
 from bloomery_jax.quant import quantize
 
 WEIGHT_SETS = {"q4_k_m": (T.Q4_K, T.Q6_K), "q8_0": (T.Q8_0, T.Q8_0), "q5_k": (T.Q5_K, T.Q5_K),
@@ -128,10 +128,10 @@ def routings(rng, N: int, k: int, E: int, count: int):
 
 def bench_case(layer, acts: list[str], N: int, k: int, reps: int, warmup: int, seed: int = 0,
                chunksize: int = CHUNKSIZE, multi_min: int | None = None,
-               layouts: tuple[tuple[int, int], ...] = ((ROWS_PER_ITEM, PREFETCH_ROWS),)) -> dict[tuple, dict]:
+               layouts: tuple[tuple[int, int], ...] = ((ROWS_PER_ITEM, PREFETCH_BYTES),)) -> dict[tuple, dict]:
     """Time one layer call per routing for each variant (activation, rows per work item,
-    prefetch rows ahead), interleaved (variant after variant on the same routing), so that a
-    noisy machine disturbs the variants alike. Keys: (act, rows_per_item, prefetch_rows)."""
+    prefetch bytes ahead), interleaved (variant after variant on the same routing), so that a
+    noisy machine disturbs the variants alike. Keys: (act, rows_per_item, prefetch_bytes)."""
     E = layer.n_experts
     D, F = layer.dims
     rng = np.random.default_rng(seed)
@@ -146,7 +146,7 @@ def bench_case(layer, acts: list[str], N: int, k: int, reps: int, warmup: int, s
         for act, rpi, pf in ts:
             t0 = time.perf_counter()
             host_moe_swiglu(x, ex, w, on_host, layer, act=act, chunksize=chunksize, multi_min=multi_min,
-                            rows_per_item=rpi, prefetch_rows=pf)
+                            rows_per_item=rpi, prefetch_bytes=pf)
             dt = time.perf_counter() - t0
             if i >= warmup:
                 ts[(act, rpi, pf)].append(dt)
@@ -165,7 +165,7 @@ def bench_case(layer, acts: list[str], N: int, k: int, reps: int, warmup: int, s
     out = {}
     for key, times in ts.items():
         t, best = float(np.median(times)), float(np.min(times))
-        out[key] = {"rows_per_item": key[1], "prefetch_rows": key[2], "ms": t * 1e3, "ms_min": best * 1e3, "GB": gb, "GBps": gb / t, "GBps_best": gb / best,
+        out[key] = {"rows_per_item": key[1], "prefetch_bytes": key[2], "ms": t * 1e3, "ms_min": best * 1e3, "GB": gb, "GBps": gb / t, "GBps_best": gb / best,
                     "pairs": N * k, "work_GBps": work / t, "empty_ms": empty_ms}
     return out
 
@@ -215,8 +215,8 @@ def main(argv=None) -> None:
     p.add_argument("--chunksize", type=int, default=CHUNKSIZE, help="host_moe_swiglu's chunksize (0: static)")
     p.add_argument("--multi-min", type=int, default=None,
                    help="host_moe_swiglu's multi_min (default: its own; 1000000 turns the multi-token path off)")
-    p.add_argument("--layouts", default=f"{ROWS_PER_ITEM}:{PREFETCH_ROWS}",
-                   help="work-item layouts to compare, comma separated ROWS_PER_ITEM:PREFETCH_ROWS "
+    p.add_argument("--layouts", default=f"{ROWS_PER_ITEM}:{PREFETCH_BYTES}",
+                   help="work-item layouts to compare, comma separated ROWS_PER_ITEM:PREFETCH_BYTES "
                         "(e.g. 16:0,16:2,64:0,64:2)")
     p.add_argument("--memory", default="numpy",
                    help=f"host memory kinds the weights are read from, comma separated ({', '.join(MEMORIES)})")

@@ -404,7 +404,7 @@ def test_host_threads_leave_cores_to_the_gpu_waiters(monkeypatch):
 
 @pytest.mark.parametrize("name", ["Q4_K_M", "Q8_0_tail"])
 def test_prefetch_changes_no_bit(name):
-    """Software prefetch (rows ahead in a work item) is a cache hint only: the same output bit for
+    """Software prefetch (bytes ahead in a work item, as whole rows) is a cache hint only: the same output bit for
     bit with it off and on, on the one-token path and the decoded-row path, with work items short
     enough that the hint both fires and stops at an item's end."""
     layer = _layer(name)
@@ -412,11 +412,11 @@ def test_prefetch_changes_no_bit(name):
     on_host = np.ones(E, bool)
     for multi_min in (1000, 2):  # every expert dotted row by row; experts with 2+ tokens decode rows once
         off = host_moe_swiglu(x, experts, weights, on_host, layer, multi_min=multi_min, rows_per_item=5,
-                              prefetch_rows=0)
+                              prefetch_bytes=0)
         assert off.any()
-        for rows in (1, 3, 64):
+        for ahead in (1, 3 * 144, 10 ** 6):  # a row, three Q4_K rows of D = 256, past any item
             on = host_moe_swiglu(x, experts, weights, on_host, layer, multi_min=multi_min, rows_per_item=5,
-                                 prefetch_rows=rows)
+                                 prefetch_bytes=ahead)
             np.testing.assert_array_equal(on, off)
 
 

@@ -66,7 +66,7 @@ def layer_entry(rec, x, experts, weights, on_host, out, n):
     spans = carray(rec, (F.WORDS,))[F.TICKS:F.TICKS + len(SPANS)]
     _moe_kernel(oa, xa, ea, wa, ha, gw, uw, dw, rec[F.GATE_FMT], rec[F.UP_FMT], rec[F.DOWN_FMT], rec[F.Q8] != 0,
                 tab16, tabbf, rec[F.ROWS_PER_ITEM], rec[F.THREADS], rec[F.MULTI_MIN1], rec[F.MULTI_MIN2],
-                rec[F.PREFETCH_ROWS], rec[F.REGIONS], rec[F.PARTS], spans)
+                rec[F.PREFETCH_BYTES], rec[F.REGIONS], rec[F.PARTS], spans)
 
 
 _TEAM_SIGNATURE = types.void(types.CPointer(types.int64), types.int64, types.int64, types.int64, types.int64,
@@ -90,5 +90,5 @@ def team_entry(rec, x, experts, weights, on_host, out, n, tid, nthreads):
                carray(_pointer(a[8], np.float32), (M, Fr // 32)))
     counter = carray(_pointer(rec[F.TEAM_COUNTERS], np.int64), (F.COUNTER_WORDS,))
     _team_part(oa, xa, ea, wa, ha, gw, uw, dw, rec[F.GATE_FMT], rec[F.UP_FMT], rec[F.DOWN_FMT], rec[F.Q8] != 0,
-               tab16, tabbf, rec[F.ROWS_PER_ITEM], rec[F.MULTI_MIN1], rec[F.MULTI_MIN2], rec[F.PREFETCH_ROWS],
+               tab16, tabbf, rec[F.ROWS_PER_ITEM], rec[F.MULTI_MIN1], rec[F.MULTI_MIN2], rec[F.PREFETCH_BYTES],
                rec[F.PARTS], scratch, counter, tid, nthreads)

@@ -42,7 +42,7 @@ from ..errors import ConfigError
 from . import ffi_layout as F
 from .bridge import BridgeStats, HostBridge
 from .memory import host_buffer, mapped_bytes
-from .swiglu import (_TAB16, _TABBF, CHUNKSIZE, EXPERT_ROLES, PARTS, PREFETCH_ROWS, REGIONS, ROWS_PER_ITEM, SPANS,
+from .swiglu import (_TAB16, _TABBF, CHUNKSIZE, EXPERT_ROLES, PARTS, PREFETCH_BYTES, REGIONS, ROWS_PER_ITEM, SPANS,
                      HostExpertLayer, kernel_settings, team_scratch)
 
 SOURCE = Path(__file__).resolve().parent / "ffi_bridge.cc"
@@ -289,7 +289,7 @@ class FfiHostBridge(HostBridge):
         values = dict(entry, D=D, F=Fd, E=layer.n_experts, K=0, GATE=g.ctypes.data, UP=u.ctypes.data,
                       DOWN=d.ctypes.data, GATE_ROW_BYTES=g.shape[2], UP_ROW_BYTES=u.shape[2],
                       DOWN_ROW_BYTES=d.shape[2], GATE_FMT=s.formats[0], UP_FMT=s.formats[1],
-                      DOWN_FMT=s.formats[2], Q8=int(s.q8), ROWS_PER_ITEM=ROWS_PER_ITEM, PREFETCH_ROWS=PREFETCH_ROWS,
+                      DOWN_FMT=s.formats[2], Q8=int(s.q8), ROWS_PER_ITEM=ROWS_PER_ITEM, PREFETCH_BYTES=PREFETCH_BYTES,
                       REGIONS=REGIONS, PARTS=PARTS, MULTI_MIN1=s.mmin1, MULTI_MIN2=s.mmin2,
                       TAB16=_TAB16.ctypes.data, TABBF=_TABBF.ctypes.data)
         for name, v in values.items():

@@ -9,7 +9,7 @@ FIELDS = (
     "GATE", "UP", "DOWN",  # addresses of the expert tensors, uint8 [E, rows, row_bytes]
     "GATE_ROW_BYTES", "UP_ROW_BYTES", "DOWN_ROW_BYTES",
     "GATE_FMT", "UP_FMT", "DOWN_FMT", "Q8", "ROWS_PER_ITEM", "THREADS", "CHUNKSIZE", "MULTI_MIN1", "MULTI_MIN2",
-    "PREFETCH_ROWS", "REGIONS", "PARTS",
+    "PREFETCH_BYTES", "REGIONS", "PARTS",
     "TAB16", "TABBF",  # addresses of the f16 / bf16 conversion tables
     # CUDA only: pinned staging (tokens it holds; the packed inputs, out)
     "STAGE_TOKENS", "STAGE_IN", "STAGE_OUT",

@@ -106,12 +106,15 @@ DEFAULT_ACT = "q8"
 # Rows of one expert per parallel work item; 0: one share of the rows a thread, cut where the
 # estimated cost is even (see _phase1_items). BLOOMERY_HOST_ROWS sets the default (a speed setting).
 ROWS_PER_ITEM = int(os.environ.get("BLOOMERY_HOST_ROWS", "0"))
-# Rows ahead of the one being dotted whose bytes a thread asks the cache for (0: none; the
-# hardware's prefetchers alone). A speed setting only; BLOOMERY_HOST_PREFETCH sets the default.
+# Bytes of each weight matrix a thread asks the cache for ahead of the row it dots, as whole
+# rows of that matrix (0: none; the hardware's prefetchers alone). In bytes, not rows, because
+# what hides the memory's latency is the bytes in flight: 2 rows ahead (the default until the
+# twenty-fourth session) kept 2.3 KB of each Q4_K gate/up stream but only 1.3 KB of the Q6_K down
+# rows (630 B each) in flight. A speed setting only; BLOOMERY_HOST_PREFETCH_BYTES sets the default.
 # Shares with 2 rows ahead against blocks of 16 without, n-cpu-moe=36 decode on the H100's
 # 16-core host: 54.0 against 48.1 tok/s, 0.416 against 0.484 ms a layer call; shares without
 # the hint 48.2 (benchmarks/gpu_2026-12-05-s18, hostB).
-PREFETCH_ROWS = int(os.environ.get("BLOOMERY_HOST_PREFETCH", "2"))
+PREFETCH_BYTES = int(os.environ.get("BLOOMERY_HOST_PREFETCH_BYTES", "2304"))
 
 
 def _regions(regions: int, what: str = "host_moe_swiglu: regions") -> int:
@@ -260,7 +263,7 @@ class HostExpertLayer:
 def host_moe_swiglu(x: np.ndarray, experts: np.ndarray, weights: np.ndarray, on_host: np.ndarray,
                     layer: HostExpertLayer, *, act: str | None = None,
                     rows_per_item: int = ROWS_PER_ITEM, chunksize: int = CHUNKSIZE,
-                    multi_min: int | None = None, prefetch_rows: int = PREFETCH_ROWS,
+                    multi_min: int | None = None, prefetch_bytes: int = PREFETCH_BYTES,
                     regions: int = REGIONS, parts: int = PARTS, spans: np.ndarray | None = None) -> np.ndarray:
     """Weighted SwiGLU sum of the (token, expert) pairs whose expert is on the host.
 
@@ -281,8 +284,9 @@ def host_moe_swiglu(x: np.ndarray, experts: np.ndarray, weights: np.ndarray, on_
         fewer, and each (row, token) dot reads the blocks itself. Default: ``MULTI_MIN``
         (``MULTI_MIN_Q8_0`` for Q8_0 weights under ``act="q8"``), per phase; 1 forces the
         multi-token path everywhere.
-      prefetch_rows: while dotting a row, ask the cache for the row this many ahead in the same
-        work item (0: no software prefetch). Never changes a result.
+      prefetch_bytes: while dotting a row, ask the cache for the row this many bytes ahead (in
+        whole rows of that matrix, rounded up) in the same work item (0: no software prefetch).
+        Never changes a result.
       regions: 1, one parallel region with work taken from shared counters; 2, one a phase
         (``REGIONS``). Never changes a result.
       parts: with ``regions`` 1 and ``rows_per_item`` 0, cost-balanced shares a thread, taken as
@@ -315,7 +319,7 @@ def host_moe_swiglu(x: np.ndarray, experts: np.ndarray, weights: np.ndarray, on_
     try:
         return _moe_kernel(out, x, experts, weights, on_host, layer.gate.raw, layer.up.raw, layer.down.raw,
                            *s.formats, s.q8, _TAB16, _TABBF, max(0, int(rows_per_item)),
-                           numba.get_num_threads(), s.mmin1, s.mmin2, max(0, int(prefetch_rows)),
+                           numba.get_num_threads(), s.mmin1, s.mmin2, max(0, int(prefetch_bytes)),
                            _regions(regions), max(1, int(parts)), spans)
     finally:
         numba.set_parallel_chunksize(before)
@@ -432,6 +436,12 @@ def _act_buffers(M, K):
 
 
 @njit(inline="always", nogil=True)
+def _rows_ahead(w, pf):
+    """The rows of ``w`` (uint8 ``[E, rows, row_bytes]``) that hold ``pf`` bytes, rounded up."""
+    return (pf + w.shape[2] - 1) // w.shape[2]
+
+
+@njit(inline="always", nogil=True)
 def _ahead(w, e, r, pf, r1):
     """Prefetch row r + pf of expert e's ``w`` when ``pf`` > 0 and that row is still before
     ``r1``, the work item's end."""
@@ -483,8 +493,10 @@ def _phase1_items(start, gexp, F, rpi, nthreads, mmin):
 def _gate_up_item(q0, q1, gexp, start, pair_tok, x, H, gw, uw, gfmt, ufmt, q8, ka, kb, XS, XQK, XDK, XBK, XQ8, X16,
                   XQ0, XD0, tab16, tabbf, mmin1, maxc, pf):
     """Phase 1 on the flat rows ``[q0, q1)`` (q = g * F + f: group g's expert, row f), walked as
-    one segment per expert: H[p, f] = silu(gate_e[f] . x_t) * (up_e[f] . x_t)."""
+    one segment per expert: H[p, f] = silu(gate_e[f] . x_t) * (up_e[f] . x_t). ``pf``: bytes
+    to prefetch ahead in each matrix."""
     D, F = x.shape[1], gw.shape[1]
+    pfg, pfu = _rows_ahead(gw, pf), _rows_ahead(uw, pf)
     wq, wsc, wm, wdm, wf = _row_buffers(D if maxc >= mmin1 else 0)
     ga = np.empty(maxc, np.float32)
     ub = np.empty(maxc, np.float32)
@@ -498,8 +510,8 @@ def _gate_up_item(q0, q1, gexp, start, pair_tok, x, H, gw, uw, gfmt, ufmt, q8, k
         p0, p1 = start[e], start[e + 1]
         if p1 - p0 < mmin1:  # few tokens: each (row, token) dot reads the row's blocks itself
             for r in range(r0, r1):
-                _ahead(gw, e, r, pf, r1)
-                _ahead(uw, e, r, pf, r1)
+                _ahead(gw, e, r, pfg, r1)
+                _ahead(uw, e, r, pfu, r1)
                 grow = gw[e, r]
                 urow = uw[e, r]
                 for p in range(p0, p1):
@@ -510,8 +522,8 @@ def _gate_up_item(q0, q1, gexp, start, pair_tok, x, H, gw, uw, gfmt, ufmt, q8, k
         else:  # several tokens: decode each row once, then dot it with every token
             ids = pair_tok[p0:p1]
             for r in range(r0, r1):
-                _ahead(gw, e, r, pf, r1)
-                _ahead(uw, e, r, pf, r1)
+                _ahead(gw, e, r, pfg, r1)
+                _ahead(uw, e, r, pfu, r1)
                 B.decode_row(gfmt, ka, gw[e, r], wq, wsc, wm, wdm, wf, tab16, tabbf)
                 B.mdot(gfmt, ka, wq, wsc, wm, wdm, wf, ids, x, XQK, XDK, XBK, XQ0, XD0, ga)
                 B.decode_row(ufmt, kb, uw[e, r], wq, wsc, wm, wdm, wf, tab16, tabbf)
@@ -525,7 +537,8 @@ def _gate_up_item(q0, q1, gexp, start, pair_tok, x, H, gw, uw, gfmt, ufmt, q8, k
 def _down_item(r0, r1, gexp, start, pids, pair_tok, pair_w, H, dw, dfmt, q8, kd, HS, HQK, HDK, HBK, HQ8, H16, HQ0,
                HD0, tab16, tabbf, mmin2, maxc, pf, out):
     """Phase 2 on output columns ``[r0, r1)`` for every expert in ascending order: out[t, d] +=
-    w_p (down_e[d] . H[p])."""
+    w_p (down_e[d] . H[p]). ``pf``: bytes to prefetch ahead."""
+    pfd = _rows_ahead(dw, pf)
     wq, wsc, wm, wdm, wf = _row_buffers(H.shape[1] if maxc >= mmin2 else 0)
     res = np.empty(maxc, np.float32)
     for g in range(gexp.shape[0]):
@@ -533,7 +546,7 @@ def _down_item(r0, r1, gexp, start, pids, pair_tok, pair_w, H, dw, dfmt, q8, kd,
         p0, p1 = start[e], start[e + 1]
         if p1 - p0 < mmin2:
             for r in range(r0, r1):
-                _ahead(dw, e, r, pf, r1)
+                _ahead(dw, e, r, pfd, r1)
                 drow = dw[e, r]
                 for p in range(p0, p1):
                     y = _row_dot(dfmt, q8, drow, p, H, HS, HQK, HDK, HBK, HQ8, H16, HQ0, HD0, tab16, tabbf)
@@ -541,7 +554,7 @@ def _down_item(r0, r1, gexp, start, pids, pair_tok, pair_w, H, dw, dfmt, q8, kd,
         else:
             ids = pids[p0:p1]
             for r in range(r0, r1):
-                _ahead(dw, e, r, pf, r1)
+                _ahead(dw, e, r, pfd, r1)
                 B.decode_row(dfmt, kd, dw[e, r], wq, wsc, wm, wdm, wf, tab16, tabbf)
                 B.mdot(dfmt, kd, wq, wsc, wm, wdm, wf, ids, H, HQK, HDK, HBK, HQ0, HD0, res)
                 for i in range(p1 - p0):
