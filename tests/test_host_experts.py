@@ -25,7 +25,7 @@ from gguf import GGMLQuantizationType as T
 from bloomery_jax.host import HostExpertLayer, HostTensor, host_moe_swiglu
 from bloomery_jax.host import blocks as B
 from bloomery_jax.host import reference as R
-from bloomery_jax.host import simd
+from bloomery_jax.host import simd, swiglu
 from bloomery_jax.ops.actquant import round_activations
 from bloomery_jax.quant import quantize
 
@@ -400,6 +400,16 @@ def test_host_threads_leave_cores_to_the_gpu_waiters(monkeypatch):
     monkeypatch.setattr(numba.config, "NUMBA_NUM_THREADS", 5)
     assert bridge.default_threads() == 5
     assert bridge.HostBridge({}, threads=3).threads == 3
+
+
+def test_prefetch_distance_is_whole_rows_of_each_matrix():
+    """The hint's distance in bytes becomes whole rows of each matrix, rounded up, so that every
+    stream keeps at least that many bytes in flight: 2,304 bytes are 2 Q4_K rows of 2048
+    (1,152 B) and 4 Q6_K rows of 768 (630 B); 0 turns the hint off."""
+    rows = numba.njit(lambda w, pf: swiglu._rows_ahead(w, pf))
+    q4k, q6k = np.zeros((1, 2, 1152), np.uint8), np.zeros((1, 2, 630), np.uint8)
+    assert [rows(q4k, b) for b in (0, 1, 1152, 1153, 2304)] == [0, 1, 1, 2, 2]
+    assert [rows(q6k, b) for b in (1260, 2304)] == [2, 4]
 
 
 @pytest.mark.parametrize("name", ["Q4_K_M", "Q8_0_tail"])

@@ -109,11 +109,12 @@ ROWS_PER_ITEM = int(os.environ.get("BLOOMERY_HOST_ROWS", "0"))
 # Bytes of each weight matrix a thread asks the cache for ahead of the row it dots, as whole
 # rows of that matrix (0: none; the hardware's prefetchers alone). In bytes, not rows, because
 # what hides the memory's latency is the bytes in flight: 2 rows ahead (the default until the
-# twenty-fourth session) kept 2.3 KB of each Q4_K gate/up stream but only 1.3 KB of the Q6_K down
-# rows (630 B each) in flight. A speed setting only; BLOOMERY_HOST_PREFETCH_BYTES sets the default.
-# Shares with 2 rows ahead against blocks of 16 without, n-cpu-moe=36 decode on the H100's
-# 16-core host: 54.0 against 48.1 tok/s, 0.416 against 0.484 ms a layer call; shares without
-# the hint 48.2 (benchmarks/gpu_2026-12-05-s18, hostB).
+# twenty-fourth session) kept 2.3 KB of each Q4_K gate/up stream in flight but only 1.3 KB of
+# the Q6_K down rows (630 B each). On the H100's 16-core host, one call: n-cpu-moe=36 decode
+# 51.6 (1,260 bytes: 2 rows each, the old default), 55.5 (2,304: 2 and 4 rows) and 51.5 tok/s
+# (4,608); a one-token layer call 0.430, 0.354 and 0.385 ms (benchmarks/gpu_2026-12-06-s24).
+# Shares with the hint against blocks of 16 rows without: 54.0 against 48.1 tok/s
+# (gpu_2026-12-05-s18). A speed setting only; BLOOMERY_HOST_PREFETCH_BYTES sets the default.
 PREFETCH_BYTES = int(os.environ.get("BLOOMERY_HOST_PREFETCH_BYTES", "2304"))
 
 
