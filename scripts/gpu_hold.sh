@@ -33,12 +33,12 @@
 #           the team spinning 300 us after a call and the team on 12 threads (RUNS names them).
 #           Twenty-third session: the team ran 47.4 against two regions' 60.4 tok/s, 32.6 asleep
 #           between calls; the probe's team calls had run beside r2's spinning OpenMP workers
-#   hybrid  issue 8 in one call (after a call that started the builds): the host's read bandwidth,
-#           the host kernels and the three bridges (gpu_session.py host), llama-bench -ncmoe 36
-#           before and after our n-cpu-moe=36, and the bound the read bandwidth sets for it
-#           (host_bound.py). (The quarter runs it made until the twenty-third session are `team`'s
-#           RUNS="r2:quarter-static r2:quarter-lfu r2:quarter-lfu-stream"; the quarter-static decode profile,
-#           QPROF, is dropped.)
+#   host    a fresh machine's first call: the host's read bandwidth, the host kernels (HOST_LAYOUTS:
+#           rows per item : prefetch bytes) and the three bridges on a quiet host, then the builds.
+#           With `team` at once after it (RUNS with r2:ncmoe36), issue 8's whole measure; with
+#           RUNS="r2:quarter-static r2:quarter-lfu r2:quarter-lfu-stream" too, issue 9's (the
+#           twenty-fourth session: 469 s). (It replaced `hybrid`, whose host bench waited on the
+#           builds and left no time for our bench on a fresh machine.)
 #           (answered and removed: the nineteenth session's `link`, `quarter` and `regions` (the link
 #           and the host share DRAM; one region then still made three), the twenty-first's `overlap`
 #           (halves +21.6% lfu-stream, +15.8% static: the default now); their probes stay in scripts/)
@@ -47,13 +47,12 @@
 #           the default since the sixteenth session, unmeasured end to end) and in two (pallas-qtiles,
 #           the sixteenth session's side-by-side), with time left pallas-q8 and the 8-layer pp512 profile
 #
-#   order: targets (it starts the builds itself), team at once after it (the build and the file
-#           stay in /tmp only while the machine is warm: it goes back 30 s after a call, so have the
-#           next call's command ready before this one returns), then side, trace or hybrid if device
-#           time is left (about 5-10 minutes each; every bench launches decode blocks ahead,
-#           bench --no-lookahead not)
+#   order: host, then team at once after it (the build and the file stay in /tmp only while the
+#           machine is warm: it goes back 30 s after a call, so have the next call's command ready
+#           before this one returns), then side, trace or prefill if device time is left (about
+#           5-10 minutes each; every bench launches decode blocks ahead, bench --no-lookahead not)
 #
-#   run: bash scripts/gpu_hold.sh trace|side|targets|team|teamprobe|prefill|hybrid   (ATTN=0 skips the attention bench,
+#   run: bash scripts/gpu_hold.sh trace|side|targets|team|teamprobe|prefill|host   (ATTN=0 skips the attention bench,
 #        LKB=0 the launch-config sweep, so that the committed tables are what runs; HOST_LAYOUTS narrows gpu_session's host sweep)
 set -u
 call=$1
@@ -150,6 +149,12 @@ team)
     bench_as ${run%%:*} ${run#*:}
   done
   [ $SECONDS -lt ${AFTER_BY:-510} ] && python3 scripts/gpu_session.py --out $RES/llamacpp-after llamacpp --only ncmoe36
+  # issue 8's bound for n-cpu-moe=36, from the `host` call's bandwidth on this warm machine
+  for f in $RES/r2/bench-ncmoe36-*.json; do
+    [ -f $f ] && [ -f /tmp/gpu_hold_host/host_bench.json ] && python3 scripts/host_bound.py --bench $f \
+      --host /tmp/gpu_hold_host/host_bench.json --model $M48 --json $RES/host_bound.json
+  done
+  pack
   ;;
 teamprobe)
   # what doubles the host team's work on the H100 host (2.0x two regions' on three machines; on
@@ -170,22 +175,16 @@ teamprobe)
     bench_as $v quarter-lfu-stream
   done
   ;;
-hybrid)
-  # issue 8's whole measure in one call: the host's read bandwidth and the host kernels at 1 and 8
-  # tokens (host_bench, the default layout) and the three bridges (gpu_session.py host), llama.cpp
-  # -ncmoe 36 before and after our n-cpu-moe=36, and the bound the read bandwidth sets for that
-  # placement (host_bound.py). On a fresh H100 (twenty-third session) the builds took 310 s, the
-  # host stage's host_bench 87 s and its bridges over 110 s, our n-cpu-moe=36 147 s: more than
-  # one call. Run it after a call that started the builds (targets, team).
-  bash scripts/start_builds.sh
-  bash scripts/await_builds.sh 330 || exit 1
+host)
+  # a fresh machine's first call, before anything else runs (twenty-fourth session): the host's
+  # read bandwidth, the host kernels at 1 and 8 tokens under HOST_LAYOUTS (host_bench, 83 s) and
+  # the three bridges (gpu_session.py host), then the builds (275-310 s), which would disturb the
+  # host bench. `team` with r2:ncmoe36 in RUNS, at once after it, completes issue 8's measure:
+  # llama.cpp -ncmoe 36 before and after, and the bound this host bench's bandwidth sets.
   HOST_LAYOUTS=${HOST_LAYOUTS:-0:1260,0:2304,0:4608} HOST_MEMORY=${HOST_MEMORY:-numpy} timeout 280 python3 scripts/gpu_session.py --out $RES host
   pack
-  python3 scripts/gpu_session.py --out $RES llamacpp --only ncmoe36
-  bench_as . ncmoe36
-  python3 scripts/host_bound.py --bench $RES/bench-ncmoe36-*.json --host $RES/host_bench.json \
-    --model $M48 --json $RES/host_bound.json
-  [ $SECONDS -lt ${AFTER_BY:-520} ] && python3 scripts/gpu_session.py --out $RES/llamacpp-after llamacpp --only ncmoe36
+  bash scripts/start_builds.sh
+  bash scripts/await_builds.sh 330
   ;;
 prefill)
   # the card bench with the prefill products on quant tiles with x in one bf16 part (pallas-bf16, the
