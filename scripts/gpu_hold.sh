@@ -77,7 +77,7 @@ bench_as() {
   [[ $v =~ -t([0-9]+) ]] && vars+=(NUMBA_NUM_THREADS=${BASH_REMATCH[1]})
   mkdir -p $RES/$v
   env "${vars[@]}" ${B/--out $RES/--out $RES/$v} --bridge ffi --signal doorbell bench --only $place
-  [ -f $RES/llamacpp.json ] && [ $v != . ] && cp $RES/llamacpp.json $RES/$v/
+  [ -f $RES/llamacpp.json ] && cp $RES/llamacpp.json $RES/$v/
   [ -f $RES/$v/llamacpp.json ] && python3 scripts/gpu_session.py --out $RES/$v compare
   pack
 }

@@ -443,11 +443,11 @@ def _rows_ahead(w, pf):
 
 
 @njit(inline="always", nogil=True)
-def _ahead(w, e, r, pf, r1):
-    """Prefetch row r + pf of expert e's ``w`` when ``pf`` > 0 and that row is still before
+def _ahead(w, e, r, rows, r1):
+    """Prefetch row r + rows of expert e's ``w`` when ``rows`` > 0 and that row is still before
     ``r1``, the work item's end."""
-    if pf > 0 and r + pf < r1:
-        prefetch(w[e, r + pf], 0, w.shape[2])
+    if rows > 0 and r + rows < r1:
+        prefetch(w[e, r + rows], 0, w.shape[2])
 
 
 @njit(cache=True, nogil=True)
