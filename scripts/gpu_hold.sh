@@ -1,59 +1,36 @@
 #!/usr/bin/env bash
-# One hold of the GPU machine as four back-to-back calls (each under 10 minutes; the machine
-# stays warm only ~30 s between calls, so /tmp keeps the builds and the files only if the next
-# call follows at once). Each call packs what it wrote into $OUT/<call>.tgz (a call returns 8
-# files at most). Every call: carry .whl (and .baseline for `trace`, which builds llama.cpp; a
-# later call that carries it too gets its build back from /tmp, scripts/await_builds.sh).
+# One hold of the GPU machine as back-to-back calls (each under 10 minutes; the machine stays
+# warm only ~30 s between calls, so /tmp keeps the builds and the files only if the next call
+# follows at once: have its command ready). Each call packs what it wrote into $OUT/<call>.tgz.
+# Every call carries .whl; a call that may start the builds (scripts/start_builds.sh: llama.cpp
+# on cores 0-11, the 48-layer file on core 12) carries .baseline too. What each call answered
+# and what it replaced is in docs/LOG.md.
 #
-#   trace   llama.cpp builds and the 48-layer file is written in the background (cores 0-12)
-#           while the 8-layer decode step is traced on cores 13-15 (graph_trace_probe.sh:
-#           single steps and blocks of 8), decode attention at 640 visible of 4096 slots,
-#           the decode layer's GEMV launch configs (layer_kernel_bench.py; its winners are what
-#           the later calls run under, BLOOMERY_GEMV_TUNED, unless TUNED=0), and the prefill
-#           expert GEMM's tiles for q-bf16 at 512 tokens (moe_prefill_bench.py).
-#           (The sixteenth session dropped the sampler bench, which spent its 90 s compiling,
-#           and the GEMM at 1 and 8 tokens: the GEMV won both, benchmarks/gpu_2026-12-05-s16.)
-#   side    llama-bench all on the card and -ncmoe 36, our card bench (block 8), our n-cpu-moe=36
-#           bench over the FFI bridge (doorbell signal; HUGE=1: again with the host experts on huge
-#           pages), ratios
-#   targets the hold's first call: start_builds, our card bench while llama.cpp builds, then
-#           llama-bench all on the card and -ncmoe 36, the quarter budget lfu-stream and (time
-#           left) static (issue 9), ratios. (The twentieth session's pallas-q8 card bench is
-#           answered: 269.2 against 276.0 tok/s; layer_kernel_bench.py's *_q8 families stay.)
-#   team    after targets, or first (it starts the builds where none ran): the quarter budget
-#           (lfu-stream, static) and n-cpu-moe=36 with decode host calls on the host team
-#           (BLOOMERY_HOST_TEAM=1: threads that stay awake, no fork or join), in one parallel
-#           region (BLOOMERY_HOST_REGIONS=1) and in two (the default), beside llama.cpp -ncmoe 36
-#           before and after; each record's decode_host_us_per_call_split says what moved. RUNS
-#           picks the variant:placement runs, LAST_START and AFTER_BY the call's time marks.
-#           (The twenty-first session's `spins` call is answered: 1M spins +6% on whole calls, nothing
-#           over the halves, now the default.)
+#   host    a fresh machine's first call: the host's read bandwidth, the host kernels at 1 and 8
+#           tokens (HOST_LAYOUTS, rows per item : prefetch bytes) and the three bridges on a quiet
+#           host, then the builds (275-310 s), which would disturb the host bench
+#   team    at once after `host`: llama.cpp -ncmoe 36 before and after our runs, RUNS'
+#           variant:placement pairs (bench_as's variants: r2 two parallel regions, the default;
+#           r1 one; team the host team, -spinN, -tN), LAST_START and AFTER_BY the call's time
+#           marks, and n-cpu-moe=36's bound from `host`'s bandwidth (host_bound.py). By default
+#           issues 8 and 9 in one call (twenty-fourth session: 469 s; run it under timeout 575)
 #   teamprobe  why the host team's work doubles on the H100 host: host_call_probe.py's r2, r1p1
-#           and team layouts with no card, then the quarter lfu-stream (ours only) in one region, two,
-#           the team spinning 300 us after a call and the team on 12 threads (RUNS names them).
-#           Twenty-third session: the team ran 47.4 against two regions' 60.4 tok/s, 32.6 asleep
-#           between calls; the probe's team calls had run beside r2's spinning OpenMP workers
-#   host    a fresh machine's first call: the host's read bandwidth, the host kernels (HOST_LAYOUTS:
-#           rows per item : prefetch bytes) and the three bridges on a quiet host, then the builds.
-#           With `team` at once after it (RUNS with r2:ncmoe36), issue 8's whole measure; with
-#           RUNS="r2:quarter-static r2:quarter-lfu r2:quarter-lfu-stream" too, issue 9's (the
-#           twenty-fourth session: 469 s). (It replaced `hybrid`, whose host bench waited on the
-#           builds and left no time for our bench on a fresh machine.)
-#           (answered and removed: the nineteenth session's `link`, `quarter` and `regions` (the link
-#           and the host share DRAM; one region then still made three), the twenty-first's `overlap`
-#           (halves +21.6% lfu-stream, +15.8% static: the default now); their probes stay in scripts/)
-#           (the eighteenth session replaced `hostab`, answered in the seventeenth: the defaults won)
-#   prefill the card bench with the prefill products on quant tiles with x in one bf16 part (pallas-bf16,
-#           the default since the sixteenth session, unmeasured end to end) and in two (pallas-qtiles,
-#           the sixteenth session's side-by-side), with time left pallas-q8 and the 8-layer pp512 profile
+#           and team layouts with no card, then the quarter lfu-stream (ours only) under RUNS'
+#           variants (one region, two, the team spinning 300 us after a call, the team on 12 threads)
+#   targets the builds, our card bench while llama.cpp builds, llama-bench all on the card and
+#           -ncmoe 36, the quarter lfu-stream and (time left) static
+#   side    llama-bench all on the card and -ncmoe 36, our card bench (block 8), our n-cpu-moe=36
+#           (HUGE=1: again with the host experts on huge pages)
+#   trace   the builds in the background while the 8-layer decode step is traced on cores 13-15
+#           (graph_trace_probe.sh), decode attention at 640 visible of 4096 slots, the decode
+#           layer's GEMV launch configs (layer_kernel_bench.py: the later calls run under its
+#           winners, BLOOMERY_GEMV_TUNED, unless TUNED=0; LKB=0 skips it, ATTN=0 the attention
+#           bench) and the prefill expert GEMM's tiles at 512 tokens (moe_prefill_bench.py)
+#   prefill the card bench with the prefill products on quant tiles with x in one bf16 part
+#           (pallas-bf16, the default) and in two (pallas-qtiles), time left pallas-q8 and the
+#           8-layer pp512 profile
 #
-#   order: host, then team at once after it (the build and the file stay in /tmp only while the
-#           machine is warm: it goes back 30 s after a call, so have the next call's command ready
-#           before this one returns), then side, trace or prefill if device time is left (about
-#           5-10 minutes each; every bench launches decode blocks ahead, bench --no-lookahead not)
-#
-#   run: bash scripts/gpu_hold.sh trace|side|targets|team|teamprobe|prefill|host   (ATTN=0 skips the attention bench,
-#        LKB=0 the launch-config sweep, so that the committed tables are what runs; HOST_LAYOUTS narrows gpu_session's host sweep)
+#   run: bash scripts/gpu_hold.sh host|team|teamprobe|targets|side|trace|prefill
 set -u
 call=$1
 OUT=${OUT:-/tmp/gpu_hold_out}
@@ -129,26 +106,18 @@ targets)
   python3 scripts/gpu_session.py --out $RES compare
   ;;
 team)
-  # at once after `targets`. The twenty-first session's split (H100 host, lfu-stream, us a call):
-  # serial 13.4 (8 + ~1.8 a pair: the hidden rows' rounding between the regions), wake 14.2 (~6 a
-  # fork even with spinning workers), join 6.4, work 75.4. Predicted: one region ~10-15 us a call
-  # less (one fork, the hidden rows rounded in parallel), +6-8% on the quarter lfu-stream; the team
-  # ~20-25 us less, +10-12%, and n-cpu-moe=36 +4-6%. Measured (twenty-second session): both
-  # slower, their work a call 1.6x and 2x two regions' (docs/LOG.md).
-  # (the first call of a hold where `targets` did not run: the builds start here, ~200 s)
-  # RUNS="r2:quarter-static r2:quarter-lfu r2:quarter-lfu-stream" is issue 9's whole measure:
-  # llama.cpp -ncmoe 36 before and after residency off, the swap rule, and the swap rule with
-  # prompt streaming, in one call (~420 s on a warm machine)
+  # at once after `host` (or first: the builds start here where none ran, 275-310 s). The default
+  # RUNS are issues 8 and 9 in one call: llama.cpp -ncmoe 36 before and after residency off, the
+  # swap rule, the swap rule with prompt streaming, and n-cpu-moe=36 (469 s warm, twenty-fourth
+  # session)
   bash scripts/start_builds.sh
   bash scripts/await_builds.sh 330 || exit 1
   python3 scripts/gpu_session.py --out $RES llamacpp --only ncmoe36
-  # issue 8's n-cpu-moe=36 before one region: the call may not reach the last runs
-  for run in ${RUNS:-team:quarter-lfu-stream r2:quarter-lfu-stream team:quarter-static team:ncmoe36 r2:ncmoe36 \
-             r2:quarter-static r1:quarter-lfu-stream}; do
-    [ $SECONDS -gt ${LAST_START:-440} ] && { echo "$run: skipped, the call's time is nearly spent"; continue; }
+  for run in ${RUNS:-r2:quarter-static r2:quarter-lfu r2:quarter-lfu-stream r2:ncmoe36}; do
+    [ $SECONDS -gt ${LAST_START:-420} ] && { echo "$run: skipped, the call's time is nearly spent"; continue; }
     bench_as ${run%%:*} ${run#*:}
   done
-  [ $SECONDS -lt ${AFTER_BY:-510} ] && python3 scripts/gpu_session.py --out $RES/llamacpp-after llamacpp --only ncmoe36
+  [ $SECONDS -lt ${AFTER_BY:-545} ] && python3 scripts/gpu_session.py --out $RES/llamacpp-after llamacpp --only ncmoe36
   # issue 8's bound for n-cpu-moe=36, from the `host` call's bandwidth on this warm machine
   for f in $RES/r2/bench-ncmoe36-*.json; do
     [ -f $f ] && [ -f /tmp/gpu_hold_host/host_bench.json ] && python3 scripts/host_bound.py --bench $f \
