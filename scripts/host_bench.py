@@ -251,7 +251,7 @@ def main(argv=None) -> None:
         bw = read_bandwidth(a.bw_mib, max(5, a.reps // 2))
         results["bandwidth"][th] = bw
         print(f"\nthreads {th}: read bandwidth (numba parallel sum, {a.bw_mib} MiB f32) {bw:.1f} GB/s")
-        print(f"{'weights':14s} {'act':4s} {'rpi:pf':6s} {'N':>4s} {'ms':>8s} {'MB':>7s} {'GB/s':>6s} {'ratio':>5s} "
+        print(f"{'weights':14s} {'act':4s} {'rpi:bytes':9s} {'N':>4s} {'ms':>8s} {'MB':>7s} {'GB/s':>6s} {'ratio':>5s} "
               f"{'best GB/s':>9s} {'work GB/s':>9s} {'empty ms':>8s}")
         for name, layer in layers.items():
             for N in tokens:
@@ -261,7 +261,7 @@ def main(argv=None) -> None:
                     r.update(weights=name, act=act, N=N, threads=th, ratio=r["GBps"] / bw,
                              memory=results["memory"][name]["kind"])
                     results["runs"].append(r)
-                    print(f"{name:14s} {act:4s} {rpi:3d}:{pf:<2d} {N:4d} {r['ms']:8.3f} {r['GB'] * 1e3:7.1f} {r['GBps']:6.2f} {r['ratio']:5.2f} "
+                    print(f"{name:14s} {act:4s} {rpi:3d}:{pf:<5d} {N:4d} {r['ms']:8.3f} {r['GB'] * 1e3:7.1f} {r['GBps']:6.2f} {r['ratio']:5.2f} "
                           f"{r['GBps_best']:9.2f} {r['work_GBps']:9.2f} {r['empty_ms']:8.3f}")
     results["machine"]["threading_layer"] = numba.threading_layer()
     print(f"\nnumba threading layer: {results['machine']['threading_layer']}")
