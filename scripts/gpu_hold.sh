@@ -14,9 +14,11 @@
 #           r1 one; team the host team, -spinN, -tN), LAST_START and AFTER_BY the call's time
 #           marks, and n-cpu-moe=36's bound from `host`'s bandwidth (host_bound.py). By default
 #           issues 8 and 9 in one call (twenty-fourth session: 469 s; run it under timeout 575)
-#   teamprobe  why the host team's work doubles on the H100 host: host_call_probe.py's r2, r1p1
-#           and team layouts with no card, then the quarter lfu-stream (ours only) under RUNS'
-#           variants (one region, two, the team spinning 300 us after a call, the team on 12 threads)
+#   probe   a fresh machine's first call, no builds: host_bench under HOST_LAYOUTS and under OLD (an
+#           earlier package's copy: a kernel change's A/B), host_call_probe.py's r2, r1p1 and team
+#           layouts with no card, then the 48-layer file
+#   teamprobe  at once after `probe`: why the host team's work doubles on the H100 host, ours only,
+#           n-cpu-moe=36 (PLACE) under RUNS' variants (one region, two, the team, at 12 threads)
 #   targets the builds, our card bench while llama.cpp builds, llama-bench all on the card and
 #           -ncmoe 36, the quarter lfu-stream and (time left) static
 #   side    llama-bench all on the card and -ncmoe 36, our card bench (block 8), our n-cpu-moe=36
@@ -30,7 +32,7 @@
 #           (pallas-bf16, the default) and in two (pallas-qtiles), time left pallas-q8 and the
 #           8-layer pp512 profile
 #
-#   run: bash scripts/gpu_hold.sh host|team|teamprobe|targets|side|trace|prefill
+#   run: bash scripts/gpu_hold.sh host|probe|team|teamprobe|targets|side|trace|prefill
 set -u
 call=$1
 OUT=${OUT:-/tmp/gpu_hold_out}
@@ -125,23 +127,38 @@ team)
   done
   pack
   ;;
+probe)
+  # a fresh machine's first call where the host's own questions come first, no builds (~330 s):
+  # host_bench under HOST_LAYOUTS, the same under OLD (a copy of an earlier package, e.g.
+  # .baseline/old/bloomery_jax from `git archive`: an A/B of a kernel change on one quiet host),
+  # then host_call_probe's layouts (two regions, one, the team; no card, no doorbell), then the
+  # 48-layer file for `teamprobe`. The llama.cpp build waits for a later call (`team`).
+  H="--weights q4_k_m --acts q8 --tokens 1,8 --threads $(( $(nproc) - 2 )) --memory numpy"
+  timeout 150 python3 scripts/host_bench.py $H --layouts ${HOST_LAYOUTS:-0:2304,0:3456,0:4608} \
+    --out $RES/host_bench.json > $RES/host_bench.txt 2>&1; tail -12 $RES/host_bench.txt
+  mkdir -p /tmp/gpu_hold_host && cp $RES/host_bench.json /tmp/gpu_hold_host/  # `team`'s bound reads it there
+  if [ -n "${OLD:-}" ]; then
+    PYTHONPATH=${PYTHONPATH/$PWD/$PWD/$OLD} timeout 120 python3 scripts/host_bench.py $H --layouts 0:2304 \
+      --out $RES/host_bench_old.json > $RES/host_bench_old.txt 2>&1; tail -6 $RES/host_bench_old.txt
+  fi
+  pack
+  PYTHONPATH=$PYTHONPATH:$PWD/scripts timeout 200 python3 scripts/host_call_probe.py --reps 20 --waits 10k \
+    --gaps 0,100 --layouts r2,r1p1,team --rounds 1 --json $RES/host_call_probe.json > $RES/host_call_probe.txt 2>&1
+  tail -20 $RES/host_call_probe.txt
+  pack
+  python3 scripts/gpu_session.py --out /tmp/model48-out model > $RES/model.log 2>&1; sync; tail -2 $RES/model.log
+  ;;
 teamprobe)
   # what doubles the host team's work on the H100 host (2.0x two regions' on three machines; on
-  # the VM's 2 threads the team costs what two regions do, twenty-third session). First the three
-  # layouts with no card, no doorbell and nothing else running (host_call_probe.py: 14 threads,
-  # calls back to back and 100 us apart, each layout after the last one's threads sleep): if the
-  # team is slow here too, the cause is in the call itself, else in the engine around it. Then
-  # the quarter lfu-stream in the engine, ours only (RUNS, bench_as's variant names).
-  PYTHONPATH=$PYTHONPATH:$PWD/scripts timeout 300 python3 scripts/host_call_probe.py --reps 20 --waits 1M \
-    --gaps 0,100 --layouts r2,r1p1,team --rounds 1 --json $RES/host_call_probe.json
-  pack
-  python3 scripts/gpu_session.py --out /tmp/model48-out model; sync
-  # one region (unmeasured on the card since the twenty-second session's inlining fix; on the VM's
-  # 2 threads 270-307 us an expert against two regions' 309-314), two regions, the team with its
-  # helpers spinning about one gap between calls (not 20 ms), the team on 12 threads
-  for v in ${RUNS:-r1 r2 team-spin300 team-t12}; do
+  # the VM's 2 threads the team costs what two regions do, twenty-third session), in the engine
+  # after `probe` measured the layouts with no card: ours only, PLACE (n-cpu-moe=36, issue 8's
+  # measure) under RUNS, bench_as's variant names: one region (unmeasured on the card since the
+  # twenty-second session's inlining fix), two, the team, each at 12 threads too (room for
+  # XLA's, Python's and the driver's threads beside them)
+  python3 scripts/gpu_session.py --out /tmp/model48-out model; sync  # `probe` wrote it: nothing to do
+  for v in ${RUNS:-r2 r1 team team-t12 r2-t12}; do
     [ $SECONDS -gt ${LAST_START:-470} ] && { echo "$v: skipped, the call's time is nearly spent"; continue; }
-    bench_as $v quarter-lfu-stream
+    bench_as $v ${PLACE:-ncmoe36}
   done
   ;;
 host)

@@ -412,6 +412,22 @@ def test_prefetch_distance_is_whole_rows_of_each_matrix():
     assert [rows(q6k, b) for b in (1260, 2304)] == [2, 4]
 
 
+def test_prefetch_hint_runs_on_into_the_next_experts_rows():
+    """Each step of a work item's walk hints the row the walk dots ``rows`` steps later, across
+    the boundary between two experts' runs, and nothing at or past the item's end. Phase 1 walks
+    all F rows of each expert from a flat start; phase 2 an item's columns [base, base + W) of
+    every expert."""
+    hinted = numba.njit(lambda gexp, s, rows, end, W, base: swiglu._hinted_row(gexp, s, rows, end, W, base))
+    gexp = np.array([3, 7, 9], np.int64)
+    for W, base, first, end in ((5, 0, 2, 13), (4, 10, 0, 12)):  # phase 1 (F = 5), phase 2 (columns 10-13)
+        walk = [(int(gexp[s // W]), base + s % W) for s in range(first, end)]  # the rows the item dots
+        for rows in (1, 2, 4):
+            got = [hinted(gexp, s, rows, end, W, base) for s in range(first, end)]
+            assert got == walk[rows:] + [(-1, -1)] * rows
+        assert all(hinted(gexp, s, 0, end, W, base) == (-1, -1) for s in range(first, end))
+    assert hinted(gexp, 3, 2, 13, 5, 0) == (7, 0)  # step 5: the second expert's first row
+
+
 @pytest.mark.parametrize("name", ["Q4_K_M", "Q8_0_tail"])
 def test_prefetch_changes_no_bit(name):
     """Software prefetch (bytes ahead in a work item, as whole rows) is a cache hint only: the same output bit for

@@ -286,8 +286,8 @@ def host_moe_swiglu(x: np.ndarray, experts: np.ndarray, weights: np.ndarray, on_
         (``MULTI_MIN_Q8_0`` for Q8_0 weights under ``act="q8"``), per phase; 1 forces the
         multi-token path everywhere.
       prefetch_bytes: while dotting a row, ask the cache for the row this many bytes ahead (in
-        whole rows of that matrix, rounded up) in the same work item (0: no software prefetch).
-        Never changes a result.
+        whole rows of that matrix, rounded up) in the same work item, on into its next expert's
+        rows (0: no software prefetch). Never changes a result.
       regions: 1, one parallel region with work taken from shared counters; 2, one a phase
         (``REGIONS``). Never changes a result.
       parts: with ``regions`` 1 and ``rows_per_item`` 0, cost-balanced shares a thread, taken as
@@ -443,11 +443,26 @@ def _rows_ahead(w, pf):
 
 
 @njit(inline="always", nogil=True)
-def _ahead(w, e, r, rows, r1):
-    """Prefetch row r + rows of expert e's ``w`` when ``rows`` > 0 and that row is still before
-    ``r1``, the work item's end."""
-    if rows > 0 and r + rows < r1:
-        prefetch(w[e, r + rows], 0, w.shape[2])
+def _hinted_row(gexp, s, rows, end, W, base):
+    """The expert and row to prefetch at step ``s`` of a work item's walk, which dots the rows
+    ``[base, base + W)`` of each expert in ``gexp`` in turn (phase 1: all F rows, flat
+    q = g * F + f; phase 2: one item's columns of every expert) and ends before step ``end``:
+    the row ``rows`` steps on, or (-1, -1) where ``rows`` is 0 or that step is past the end. The
+    hint runs on into the next expert's rows, whose run would otherwise start unhinted (the
+    hardware's prefetchers start each run anew too; phase 2 walks a run an expert per item)."""
+    t = s + rows
+    if rows <= 0 or t >= end:
+        return -1, -1
+    g = t // W
+    return gexp[g], base + (t - g * W)
+
+
+@njit(inline="always", nogil=True)
+def _ahead(w, gexp, s, rows, end, W, base):
+    """Prefetch ``w``'s row that _hinted_row names for step ``s``, if any."""
+    e, r = _hinted_row(gexp, s, rows, end, W, base)
+    if e >= 0:
+        prefetch(w[e, r], 0, w.shape[2])
 
 
 @njit(cache=True, nogil=True)
@@ -511,8 +526,8 @@ def _gate_up_item(q0, q1, gexp, start, pair_tok, x, H, gw, uw, gfmt, ufmt, q8, k
         p0, p1 = start[e], start[e + 1]
         if p1 - p0 < mmin1:  # few tokens: each (row, token) dot reads the row's blocks itself
             for r in range(r0, r1):
-                _ahead(gw, e, r, pfg, r1)
-                _ahead(uw, e, r, pfu, r1)
+                _ahead(gw, gexp, g * F + r, pfg, q1, F, 0)
+                _ahead(uw, gexp, g * F + r, pfu, q1, F, 0)
                 grow = gw[e, r]
                 urow = uw[e, r]
                 for p in range(p0, p1):
@@ -523,8 +538,8 @@ def _gate_up_item(q0, q1, gexp, start, pair_tok, x, H, gw, uw, gfmt, ufmt, q8, k
         else:  # several tokens: decode each row once, then dot it with every token
             ids = pair_tok[p0:p1]
             for r in range(r0, r1):
-                _ahead(gw, e, r, pfg, r1)
-                _ahead(uw, e, r, pfu, r1)
+                _ahead(gw, gexp, g * F + r, pfg, q1, F, 0)
+                _ahead(uw, gexp, g * F + r, pfu, q1, F, 0)
                 B.decode_row(gfmt, ka, gw[e, r], wq, wsc, wm, wdm, wf, tab16, tabbf)
                 B.mdot(gfmt, ka, wq, wsc, wm, wdm, wf, ids, x, XQK, XDK, XBK, XQ0, XD0, ga)
                 B.decode_row(ufmt, kb, uw[e, r], wq, wsc, wm, wdm, wf, tab16, tabbf)
@@ -540,6 +555,8 @@ def _down_item(r0, r1, gexp, start, pids, pair_tok, pair_w, H, dw, dfmt, q8, kd,
     """Phase 2 on output columns ``[r0, r1)`` for every expert in ascending order: out[t, d] +=
     w_p (down_e[d] . H[p]). ``pf``: bytes to prefetch ahead."""
     pfd = _rows_ahead(dw, pf)
+    W = r1 - r0
+    end = gexp.shape[0] * W  # the walk's steps: W rows of each expert
     wq, wsc, wm, wdm, wf = _row_buffers(H.shape[1] if maxc >= mmin2 else 0)
     res = np.empty(maxc, np.float32)
     for g in range(gexp.shape[0]):
@@ -547,7 +564,7 @@ def _down_item(r0, r1, gexp, start, pids, pair_tok, pair_w, H, dw, dfmt, q8, kd,
         p0, p1 = start[e], start[e + 1]
         if p1 - p0 < mmin2:
             for r in range(r0, r1):
-                _ahead(dw, e, r, pfd, r1)
+                _ahead(dw, gexp, g * W + r - r0, pfd, end, W, r0)
                 drow = dw[e, r]
                 for p in range(p0, p1):
                     y = _row_dot(dfmt, q8, drow, p, H, HS, HQK, HDK, HBK, HQ8, H16, HQ0, HD0, tab16, tabbf)
@@ -555,7 +572,7 @@ def _down_item(r0, r1, gexp, start, pids, pair_tok, pair_w, H, dw, dfmt, q8, kd,
         else:
             ids = pids[p0:p1]
             for r in range(r0, r1):
-                _ahead(dw, e, r, pfd, r1)
+                _ahead(dw, gexp, g * W + r - r0, pfd, end, W, r0)
                 B.decode_row(dfmt, kd, dw[e, r], wq, wsc, wm, wdm, wf, tab16, tabbf)
                 B.mdot(dfmt, kd, wq, wsc, wm, wdm, wf, ids, H, HQK, HDK, HBK, HQ0, HD0, res)
                 for i in range(p1 - p0):
