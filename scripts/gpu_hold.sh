@@ -48,12 +48,14 @@ pack() { tar czf "$OUT/$call.tgz" -C "$RES" .; }  # also between runs, where a c
 # One of our benches over the FFI bridge as variant $1 (its records under $RES/$1), placement $2:
 # r2 the default (two parallel regions a call), r1 one region, team the host team; -spinN: the
 # team's helpers spin N us after a call (0: they sleep at once; default 20000); -tN: N Numba
-# threads. Compared with llama.cpp where this call ran it.
+# threads; -gompNk: OpenMP's workers spin N thousand times after a region (default 10k).
+# Compared with llama.cpp where this call ran it.
 bench_as() {
   local v=$1 place=$2 vars=(BLOOMERY_HOST_TEAM=0 BLOOMERY_HOST_REGIONS=2)  # the defaults, whatever the caller exported
   case $v in team*) vars+=(BLOOMERY_HOST_TEAM=1) ;; r1*) vars+=(BLOOMERY_HOST_REGIONS=1) ;; esac
   [[ $v =~ -spin([0-9]+) ]] && vars+=(BLOOMERY_HOST_TEAM_SPIN_US=${BASH_REMATCH[1]})
   [[ $v =~ -t([0-9]+) ]] && vars+=(NUMBA_NUM_THREADS=${BASH_REMATCH[1]})
+  [[ $v =~ -gomp([0-9]+k) ]] && vars+=(GOMP_SPINCOUNT=${BASH_REMATCH[1]%k}000)
   mkdir -p $RES/$v
   env "${vars[@]}" ${B/--out $RES/--out $RES/$v} --bridge ffi --signal doorbell bench --only $place
   [ -f $RES/llamacpp.json ] && cp $RES/llamacpp.json $RES/$v/
@@ -153,10 +155,11 @@ teamprobe)
   # the VM's 2 threads the team costs what two regions do, twenty-third session), in the engine
   # after `probe` measured the layouts with no card: ours only, PLACE (n-cpu-moe=36, issue 8's
   # measure) under RUNS, bench_as's variant names: one region (unmeasured on the card since the
-  # twenty-second session's inlining fix), two, the team, each at 12 threads too (room for
-  # XLA's, Python's and the driver's threads beside them)
+  # twenty-second session's inlining fix), two, the team, the team at 12 threads (room for
+  # XLA's, Python's and the driver's threads beside it), two regions with OpenMP's workers
+  # spinning through the gaps between calls
   python3 scripts/gpu_session.py --out /tmp/model48-out model; sync  # `probe` wrote it: nothing to do
-  for v in ${RUNS:-r2 r1 team team-t12 r2-t12}; do
+  for v in ${RUNS:-r2 r1 team team-t12 r2-gomp1000k}; do
     [ $SECONDS -gt ${LAST_START:-470} ] && { echo "$v: skipped, the call's time is nearly spent"; continue; }
     bench_as $v ${PLACE:-ncmoe36}
   done
