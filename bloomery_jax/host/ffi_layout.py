@@ -29,9 +29,11 @@ WORDS = len(FIELDS)
 # callback thread runs it) or "doorbell" (the stream writes the call's id to pinned memory, a
 # spinning worker of ours runs it and writes the id back, the stream waits for that value).
 SIGNALS = ("hostfunc", "doorbell")
-# The work-item counters of a call whose threads take items as they free up (swiglu._share: five
-# int64 counters a cache line apart), as TEAM_COUNTERS holds them and the one-region kernel makes them
-COUNTER_WORDS = 5 * 8
+# The counters of a call whose threads take work as they free up (swiglu._share, and the
+# two-region kernel's activation rows): int64 a cache line apart, each *_DONE right after its
+# *_TAKEN, as TEAM_COUNTERS holds them and the kernels make them
+COUNTERS = ("P1_TAKEN", "P1_DONE", "H_TAKEN", "H_DONE", "P2_TAKEN", "X_TAKEN", "X_DONE")
+COUNTER_WORDS = 8 * len(COUNTERS)
 globals().update({name: i for i, name in enumerate(FIELDS)})
 
 

@@ -94,7 +94,7 @@ from numba import njit, prange
 
 from . import atomics
 from . import blocks as B
-from .ffi_layout import COUNTER_WORDS
+from .ffi_layout import COUNTER_WORDS, COUNTERS
 from .simd import prefetch
 from .ticks import ticks
 
@@ -135,10 +135,13 @@ REGIONS = _regions(int(os.environ.get("BLOOMERY_HOST_REGIONS", "2")), "BLOOMERY_
 # thread slowed by a neighbour leaves its last shares to the others. 1: one share each, as with
 # two regions. BLOOMERY_HOST_PARTS sets the default.
 PARTS = max(1, int(os.environ.get("BLOOMERY_HOST_PARTS", "1")))
-# Activation rows with fewer elements than this are prepared (rounded to 8 bits, summed) on the
-# calling thread: a decode call's 1 x 2048 inputs and 8 x 768 hidden rows take microseconds,
-# less than a parallel region's fork and join (and than waking the workers, where they sleep).
+# Activation rows with fewer elements than this are prepared (rounded to 8 bits, summed) inside
+# the region that reads them, by its first threads while the others still wake: a decode call's
+# 1 x 2048 inputs and 8 x 768 hidden rows take microseconds, less than a region of their own's
+# fork and join. Until the twenty-fifth session the calling thread prepared them between regions.
 SERIAL_PREP_MAX = 16384
+# word offsets of the shared counters (ffi_layout.COUNTERS)
+P1_TAKEN, P1_DONE, H_TAKEN, H_DONE, P2_TAKEN, X_TAKEN, X_DONE = (8 * i for i in range(len(COUNTERS)))
 # Tick spans a layer call adds up (host.ticks; the FFI record's TICKS_* words, in this order):
 # the whole call, its parallel regions, their wait for the last thread to start work, and the
 # wait from the last work item's end to the region's end. The serial part is CALL - REGIONS.
@@ -593,6 +596,22 @@ def _await(counter, i, n):
         atomics.pause()
 
 
+@njit(inline="always", nogil=True)
+def _prepare_taken(counter, i, X, n, ka, kb, act):
+    """Rows of X (``n`` of them) prepared for activation kinds ka and kb (_prepare_row, into the
+    eight arrays of ``act``) by the threads that reach this first: each takes rows from
+    ``counter[i]`` (X_TAKEN or H_TAKEN) and counts those it finished in the *_DONE word after it,
+    then waits until all are finished. A row is only ever waited on while the thread that took
+    it prepares it, so this never waits on a thread that has not started."""
+    XS, XQK, XDK, XBK, XQ8, X16, XQ0, XD0 = act
+    m = _take(counter, i, n)
+    while m >= 0:
+        _prepare_row(X, m, ka, kb, XS, XQK, XDK, XBK, XQ8, X16, XQ0, XD0)
+        atomics.fetch_add(counter, i + 8, 1)
+        m = _take(counter, i, n)
+    _await(counter, i + 8, n)
+
+
 @njit(cache=True, nogil=True)
 def _group(experts, weights, on_host, E):
     """The host pairs grouped by expert (serial: O(N k + E)). Pair p = (token pair_tok[p], expert),
@@ -649,13 +668,13 @@ def _items(start, gexp, F, D, rpi, nthreads, shares, mmin1):
 
 
 @njit(inline="always", nogil=True)
-def _share(counter, bounds, n1, rpi2, n2, P, gexp, start, pids, pair_tok, pair_w, x, H, w3, fmt3, q8, kind3, xact, hact,
-           tab16, tabbf, mmin1, mmin2, maxc, pf, out, zero_items):
-    """One thread's part of a call whose threads take items from shared counters (int64, zeroed,
-    a cache line apart: taken / finished for phase 1, the hidden rows' preparation, phase 2) and
-    wait for the previous phase's items to be finished, not for the other threads: a thread that
-    runs late finishes whatever it took before it waits, so nothing waits on an item that is not
-    running. ``zero_items``: each phase 2 item zeroes its columns of out first (else out is zero
+def _share(counter, bounds, n1, rpi2, n2, P, gexp, start, pids, pair_tok, pair_w, x, xrows, H, w3, fmt3, q8, kind3, xact,
+           hact, tab16, tabbf, mmin1, mmin2, maxc, pf, out, zero_items):
+    """One thread's part of a call whose threads take items from shared counters (COUNTERS,
+    zeroed: taken / finished for x's first ``xrows`` rows' preparation (0: prepared already),
+    phase 1, the hidden rows' preparation, phase 2) and wait for the previous phase's items to
+    be finished, not for the other threads: a thread that runs late finishes whatever it took
+    before it waits, so nothing waits on an item that is not running. ``zero_items``: each phase 2 item zeroes its columns of out first (else out is zero
     already). ``w3``, ``fmt3``, ``kind3``: gate, up and down; ``xact`` / ``hact``: the activation
     forms of x and of the hidden rows (_act_buffers).
 
@@ -669,20 +688,17 @@ def _share(counter, bounds, n1, rpi2, n2, P, gexp, start, pids, pair_tok, pair_w
     XS, XQK, XDK, XBK, XQ8, X16, XQ0, XD0 = xact
     HS, HQK, HDK, HBK, HQ8, H16, HQ0, HD0 = hact
     D = x.shape[1]
-    it = _take(counter, 0, n1)
+    if xrows > 0:
+        _prepare_taken(counter, X_TAKEN, x, xrows, ka, kb, xact)
+    it = _take(counter, P1_TAKEN, n1)
     while it >= 0:
         _gate_up_item(bounds[it], bounds[it + 1], gexp, start, pair_tok, x, H, gw, uw, gfmt, ufmt, q8, ka, kb,
                       XS, XQK, XDK, XBK, XQ8, X16, XQ0, XD0, tab16, tabbf, mmin1, maxc, pf)
-        atomics.fetch_add(counter, 8, 1)
-        it = _take(counter, 0, n1)
-    _await(counter, 8, n1)
-    p = _take(counter, 16, P)
-    while p >= 0:
-        _prepare_row(H, p, kd, kd, HS, HQK, HDK, HBK, HQ8, H16, HQ0, HD0)
-        atomics.fetch_add(counter, 24, 1)
-        p = _take(counter, 16, P)
-    _await(counter, 24, P)
-    it = _take(counter, 32, n2)
+        atomics.fetch_add(counter, P1_DONE, 1)
+        it = _take(counter, P1_TAKEN, n1)
+    _await(counter, P1_DONE, n1)
+    _prepare_taken(counter, H_TAKEN, H, P, kd, kd, hact)
+    it = _take(counter, P2_TAKEN, n2)
     while it >= 0:
         r0, r1 = it * rpi2, min(D, (it + 1) * rpi2)
         if zero_items:
@@ -691,18 +707,18 @@ def _share(counter, bounds, n1, rpi2, n2, P, gexp, start, pids, pair_tok, pair_w
                     out[t, r] = 0.0
         _down_item(r0, r1, gexp, start, pids, pair_tok, pair_w, H, dw, dfmt, q8, kd, HS, HQK, HDK, HBK, HQ8, H16, HQ0,
                    HD0, tab16, tabbf, mmin2, maxc, pf, out)
-        it = _take(counter, 32, n2)
+        it = _take(counter, P2_TAKEN, n2)
 
 
 @njit(parallel=True, fastmath=True, cache=True, nogil=True)  # the kernel's flags: the items' arithmetic must match
-def _share_alone(counter, bounds, n1, rpi2, n2, P, gexp, start, pids, pair_tok, pair_w, x, H, w3, fmt3, q8, kind3, xact,
-                 hact, tab16, tabbf, mmin1, mmin2, maxc, pf, out, zero_items):
+def _share_alone(counter, bounds, n1, rpi2, n2, P, gexp, start, pids, pair_tok, pair_w, x, xrows, H, w3, fmt3, q8, kind3,
+                 xact, hact, tab16, tabbf, mmin1, mmin2, maxc, pf, out, zero_items):
     """``_share`` on the calling thread alone, compiled as a ``prange`` body (see _share's note).
     The caller's Numba thread count must be 1 (ffi_bridge.cc's team sets it): the region then runs
     on the caller, with no workers to wake."""
     for _ in prange(1):
-        _share(counter, bounds, n1, rpi2, n2, P, gexp, start, pids, pair_tok, pair_w, x, H, w3, fmt3, q8, kind3, xact,
-               hact, tab16, tabbf, mmin1, mmin2, maxc, pf, out, zero_items)
+        _share(counter, bounds, n1, rpi2, n2, P, gexp, start, pids, pair_tok, pair_w, x, xrows, H, w3, fmt3, q8, kind3,
+               xact, hact, tab16, tabbf, mmin1, mmin2, maxc, pf, out, zero_items)
 
 
 @njit(fastmath=True, cache=True, nogil=True)
@@ -728,7 +744,7 @@ def _team_part(out, x, experts, weights, on_host, gw, uw, dw, gfmt, ufmt, dfmt, 
     H, HS, HQK, HDK, HBK, HQ8, H16, HQ0, HD0 = scratch
     bounds, rpi2 = _items(start, gexp, F, D, rpi, nthreads, nthreads * parts, mmin1)
     _share_alone(counter, bounds, bounds.shape[0] - 1, rpi2, (D + rpi2 - 1) // rpi2, P, gexp, start, pids, pair_tok,
-                 pair_w, x, H[:P], (gw, uw, dw), (gfmt, ufmt, dfmt), q8, (ka, kb, kd),
+                 pair_w, x, 0, H[:P], (gw, uw, dw), (gfmt, ufmt, dfmt), q8, (ka, kb, kd),
                  (XS, XQK, XDK, XBK, XQ8, X16, XQ0, XD0),
                  (HS[:P], HQK[:P], HDK[:P], HBK[:P], HQ8[:P], H16[:P], HQ0[:P], HD0[:P]), tab16, tabbf, mmin1, mmin2,
                  maxc, pf, out, True)
@@ -791,42 +807,44 @@ def _moe_kernel(out, x, experts, weights, on_host, gw, uw, dw, gfmt, ufmt, dfmt,
 
     # each thread's first start and last end of a work item in the current region, a cache line apart
     first, last = _zeros(8 * nthreads), _zeros(8 * nthreads)
-    XS, XQK, XDK, XBK, XQ8, X16, XQ0, XD0 = _act_buffers(N, D)
+    XS, XQK, XDK, XBK, XQ8, X16, XQ0, XD0 = xact = _act_buffers(N, D)
     ka, kb = _kind(gfmt, q8), _kind(ufmt, q8)
-    if N * D >= SERIAL_PREP_MAX:
+    # A decode call's few activation rows (1 x 2048 inputs, 8 x 768 hidden rows: microseconds,
+    # less than a region's fork and join) are prepared in the next phase's region by its first
+    # threads, while the later ones still wake; larger calls' rows in a region of their own.
+    counter = _zeros(COUNTER_WORDS)
+    xrows = 0 if N * D >= SERIAL_PREP_MAX else N  # rows of x the first region prepares
+    if xrows == 0:
         t0 = ticks()
         for n in prange(N):
             _item_starts(first)
             _prepare_row(x, n, ka, kb, XS, XQK, XDK, XBK, XQ8, X16, XQ0, XD0)
             _item_ends(last)
         _region_spans(spans, t0, first, last)
-    else:  # a decode call's few rows: not worth waking the workers for (a parallel region each)
-        for n in range(N):
-            _prepare_row(x, n, ka, kb, XS, XQK, XDK, XBK, XQ8, X16, XQ0, XD0)
     H = np.empty((P, F), np.float32)
-    HS, HQK, HDK, HBK, HQ8, H16, HQ0, HD0 = _act_buffers(P, F)
+    HS, HQK, HDK, HBK, HQ8, H16, HQ0, HD0 = hact = _act_buffers(P, F)
     kd = _kind(dfmt, q8)
     bounds, rpi2 = _items(start, gexp, F, D, rpi, nthreads, nthreads * parts if regions == 1 else nthreads, mmin1)
     n1, n2 = bounds.shape[0] - 1, (D + rpi2 - 1) // rpi2
 
     if regions == 1:
         # One parallel region: each thread takes items from shared counters (_share)
-        counter = _zeros(COUNTER_WORDS)
         t0 = ticks()
         for _ in prange(nthreads):
             _item_starts(first)
-            _share(counter, bounds, n1, rpi2, n2, P, gexp, start, pids, pair_tok, pair_w, x, H, (gw, uw, dw),
-                   (gfmt, ufmt, dfmt), q8, (ka, kb, kd), (XS, XQK, XDK, XBK, XQ8, X16, XQ0, XD0),
-                   (HS, HQK, HDK, HBK, HQ8, H16, HQ0, HD0), tab16, tabbf, mmin1, mmin2, maxc, pf, out, False)
+            _share(counter, bounds, n1, rpi2, n2, P, gexp, start, pids, pair_tok, pair_w, x, xrows, H, (gw, uw, dw),
+                   (gfmt, ufmt, dfmt), q8, (ka, kb, kd), xact, hact, tab16, tabbf, mmin1, mmin2, maxc, pf, out, False)
             _item_ends(last)
         _region_spans(spans, t0, first, last)
         spans[SPAN_CALL] += ticks() - t_in
         return out
 
-    # Two parallel regions (and a third for the hidden rows of a large call), joined between.
+    # Two parallel regions (and one for the hidden rows of a large call), joined between.
     t0 = ticks()
     for it in prange(n1):
         _item_starts(first)
+        if xrows > 0:
+            _prepare_taken(counter, X_TAKEN, x, xrows, ka, kb, xact)
         _gate_up_item(bounds[it], bounds[it + 1], gexp, start, pair_tok, x, H, gw, uw, gfmt, ufmt, q8, ka, kb,
                       XS, XQK, XDK, XBK, XQ8, X16, XQ0, XD0, tab16, tabbf, mmin1, maxc, pf)
         _item_ends(last)
@@ -838,12 +856,11 @@ def _moe_kernel(out, x, experts, weights, on_host, gw, uw, dw, gfmt, ufmt, dfmt,
             _prepare_row(H, p, kd, kd, HS, HQK, HDK, HBK, HQ8, H16, HQ0, HD0)
             _item_ends(last)
         _region_spans(spans, t0, first, last)
-    else:
-        for p in range(P):
-            _prepare_row(H, p, kd, kd, HS, HQK, HDK, HBK, HQ8, H16, HQ0, HD0)
     t0 = ticks()
     for it in prange(n2):
         _item_starts(first)
+        if P * F < SERIAL_PREP_MAX:
+            _prepare_taken(counter, H_TAKEN, H, P, kd, kd, hact)
         _down_item(it * rpi2, min(D, (it + 1) * rpi2), gexp, start, pids, pair_tok, pair_w, H, dw, dfmt, q8,
                    kd, HS, HQK, HDK, HBK, HQ8, H16, HQ0, HD0, tab16, tabbf, mmin2, maxc, pf, out)
         _item_ends(last)
