@@ -14,11 +14,12 @@
 #           r1 one; team the host team, -spinN, -tN), LAST_START and AFTER_BY the call's time
 #           marks, and n-cpu-moe=36's bound from `host`'s bandwidth (host_bound.py). By default
 #           issues 8 and 9 in one call (twenty-fourth session: 469 s; run it under timeout 575)
-#   probe   a fresh machine's first call, no builds: host_bench under HOST_LAYOUTS and under OLD (an
-#           earlier package's copy: a kernel change's A/B), host_call_probe.py's r2, r1p1 and team
-#           layouts with no card, then the 48-layer file
-#   teamprobe  at once after `probe`: why the host team's work doubles on the H100 host, ours only,
-#           n-cpu-moe=36 (PLACE) under RUNS' variants (one region, two, the team, at 12 threads)
+#   probe   `host` in more detail: host_bench under HOST_LAYOUTS and under OLD (an earlier
+#           package's copy: a kernel change's A/B), host_call_probe.py's r2, r1p1 and team layouts
+#           with no card, then the builds
+#   teamprobe  why the host team's work doubles on the H100 host, ours only, n-cpu-moe=36 (PLACE)
+#           under RUNS' variants (one region, two, the team, at 12 threads); `team` with the same
+#           RUNS measures them beside llama.cpp
 #   targets the builds, our card bench while llama.cpp builds, llama-bench all on the card and
 #           -ncmoe 36, the quarter lfu-stream and (time left) static
 #   side    llama-bench all on the card and -ncmoe 36, our card bench (block 8), our n-cpu-moe=36
@@ -130,11 +131,11 @@ team)
   pack
   ;;
 probe)
-  # a fresh machine's first call where the host's own questions come first, no builds (~330 s):
-  # host_bench under HOST_LAYOUTS, the same under OLD (a copy of an earlier package, e.g.
-  # .baseline/old/bloomery_jax from `git archive`: an A/B of a kernel change on one quiet host),
-  # then host_call_probe's layouts (two regions, one, the team; no card, no doorbell), then the
-  # 48-layer file for `teamprobe`. The llama.cpp build waits for a later call (`team`).
+  # a fresh machine's first call, `host`'s questions in more detail: host_bench under
+  # HOST_LAYOUTS, the same under OLD (a copy of an earlier package, e.g. .baseline/old/bloomery_jax
+  # from `git archive`: an A/B of a kernel change on one quiet host), host_call_probe's layouts
+  # (two regions, one, the team; no card, no doorbell), then the builds (carry .baseline).
+  # `team` with RUNS follows at once.
   H="--weights q4_k_m --acts q8 --tokens 1,8 --threads $(( $(nproc) - 2 )) --memory numpy"
   timeout 150 python3 scripts/host_bench.py $H --layouts ${HOST_LAYOUTS:-0:2304,0:3456,0:4608} \
     --out $RES/host_bench.json > $RES/host_bench.txt 2>&1; tail -12 $RES/host_bench.txt
@@ -144,11 +145,12 @@ probe)
       --out $RES/host_bench_old.json > $RES/host_bench_old.txt 2>&1; tail -6 $RES/host_bench_old.txt
   fi
   pack
-  PYTHONPATH=$PYTHONPATH:$PWD/scripts timeout 200 python3 scripts/host_call_probe.py --reps 20 --waits 10k \
+  PYTHONPATH=$PYTHONPATH:$PWD/scripts timeout 150 python3 scripts/host_call_probe.py --reps 20 --waits 10k \
     --gaps 0,100 --layouts r2,r1p1,team --rounds 1 --json $RES/host_call_probe.json > $RES/host_call_probe.txt 2>&1
   tail -20 $RES/host_call_probe.txt
   pack
-  python3 scripts/gpu_session.py --out /tmp/model48-out model > $RES/model.log 2>&1; sync; tail -2 $RES/model.log
+  bash scripts/start_builds.sh
+  bash scripts/await_builds.sh 330
   ;;
 teamprobe)
   # what doubles the host team's work on the H100 host (2.0x two regions' on three machines; on
