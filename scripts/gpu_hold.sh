@@ -134,7 +134,8 @@ probe)
   # a fresh machine's first call, `host`'s questions in more detail: host_bench under
   # HOST_LAYOUTS, the same under OLD (a copy of an earlier package, e.g. .baseline/old/bloomery_jax
   # from `git archive`: an A/B of a kernel change on one quiet host), host_call_probe's layouts
-  # (two regions, one, the team; no card, no doorbell), then the builds (carry .baseline).
+  # (two regions, one, the team; no card, no doorbell), then the builds (carry .baseline; BUILDS=0:
+  # the 48-layer file alone).
   # `team` with RUNS follows at once.
   H="--weights q4_k_m --acts q8 --tokens 1,8 --threads $(( $(nproc) - 2 )) --memory numpy"
   timeout 150 python3 scripts/host_bench.py $H --layouts ${HOST_LAYOUTS:-0:2304,0:3456,0:4608} \
@@ -149,8 +150,12 @@ probe)
     --gaps 0,100 --layouts r2,r1p1,team --rounds 1 --json $RES/host_call_probe.json > $RES/host_call_probe.txt 2>&1
   tail -20 $RES/host_call_probe.txt
   pack
-  bash scripts/start_builds.sh
-  bash scripts/await_builds.sh 330
+  if [ "${BUILDS:-1}" = 1 ]; then
+    bash scripts/start_builds.sh
+    bash scripts/await_builds.sh 330
+  else  # the 48-layer file alone, for `teamprobe` in the same command
+    python3 scripts/gpu_session.py --out /tmp/model48-out model > $RES/model.log 2>&1; sync
+  fi
   ;;
 teamprobe)
   # what doubles the host team's work on the H100 host (2.0x two regions' on three machines; on
