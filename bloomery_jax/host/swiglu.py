@@ -668,15 +668,16 @@ def _items(start, gexp, F, D, rpi, nthreads, shares, mmin1):
 
 
 @njit(inline="always", nogil=True)
-def _share(counter, bounds, n1, rpi2, n2, P, gexp, start, pids, pair_tok, pair_w, x, xrows, H, w3, fmt3, q8, kind3, xact,
-           hact, tab16, tabbf, mmin1, mmin2, maxc, pf, out, zero_items):
+def _share(counter, bounds, n1, rpi2, n2, P, gexp, start, pids, pair_tok, pair_w, x, xrows, H, w3, fmt3, q8, kind3,
+           xact, hact, tab16, tabbf, mmin1, mmin2, maxc, pf, out, zero_items):
     """One thread's part of a call whose threads take items from shared counters (COUNTERS,
     zeroed: taken / finished for x's first ``xrows`` rows' preparation (0: prepared already),
     phase 1, the hidden rows' preparation, phase 2) and wait for the previous phase's items to
     be finished, not for the other threads: a thread that runs late finishes whatever it took
-    before it waits, so nothing waits on an item that is not running. ``zero_items``: each phase 2 item zeroes its columns of out first (else out is zero
-    already). ``w3``, ``fmt3``, ``kind3``: gate, up and down; ``xact`` / ``hact``: the activation
-    forms of x and of the hidden rows (_act_buffers).
+    before it waits, so nothing waits on an item that is not running. ``zero_items``: each
+    phase 2 item zeroes its columns of out first (else out is zero already). ``w3``, ``fmt3``,
+    ``kind3``: gate, up and down; ``xact`` / ``hact``: the activation forms of x and of the
+    hidden rows (_act_buffers).
 
     Inlined, and only into ``prange`` bodies: the same items compiled in a function of their own
     ran 1.25x (one region) to 1.5x (the team) slower a host expert, on one thread of the 2-core
@@ -711,8 +712,8 @@ def _share(counter, bounds, n1, rpi2, n2, P, gexp, start, pids, pair_tok, pair_w
 
 
 @njit(parallel=True, fastmath=True, cache=True, nogil=True)  # the kernel's flags: the items' arithmetic must match
-def _share_alone(counter, bounds, n1, rpi2, n2, P, gexp, start, pids, pair_tok, pair_w, x, xrows, H, w3, fmt3, q8, kind3,
-                 xact, hact, tab16, tabbf, mmin1, mmin2, maxc, pf, out, zero_items):
+def _share_alone(counter, bounds, n1, rpi2, n2, P, gexp, start, pids, pair_tok, pair_w, x, xrows, H, w3, fmt3, q8,
+                 kind3, xact, hact, tab16, tabbf, mmin1, mmin2, maxc, pf, out, zero_items):
     """``_share`` on the calling thread alone, compiled as a ``prange`` body (see _share's note).
     The caller's Numba thread count must be 1 (ffi_bridge.cc's team sets it): the region then runs
     on the caller, with no workers to wake."""
@@ -809,9 +810,8 @@ def _moe_kernel(out, x, experts, weights, on_host, gw, uw, dw, gfmt, ufmt, dfmt,
     first, last = _zeros(8 * nthreads), _zeros(8 * nthreads)
     XS, XQK, XDK, XBK, XQ8, X16, XQ0, XD0 = xact = _act_buffers(N, D)
     ka, kb = _kind(gfmt, q8), _kind(ufmt, q8)
-    # A decode call's few activation rows (1 x 2048 inputs, 8 x 768 hidden rows: microseconds,
-    # less than a region's fork and join) are prepared in the next phase's region by its first
-    # threads, while the later ones still wake; larger calls' rows in a region of their own.
+    # a decode call's few activation rows are prepared in the region that reads them, a large
+    # call's in a region of their own (SERIAL_PREP_MAX)
     counter = _zeros(COUNTER_WORDS)
     xrows = 0 if N * D >= SERIAL_PREP_MAX else N  # rows of x the first region prepares
     if xrows == 0:
