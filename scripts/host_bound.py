@@ -9,7 +9,8 @@ that placement". For a placement that puts whole layers' experts on the host (``
 reads its k routed experts of each host layer from host memory: ``host_bytes`` = sum over host
 layers of k * the layer's bytes of one expert, as the loader places them (``parse_rule(...).place``
 over ``ExpertLayout.from_file``). At the read bandwidth host_bench measured (a Numba parallel sum
-at the bridge's thread count, the larger of its two samples) that takes ``host_bytes / BW`` at least. Two bounds:
+at the bridge's thread count, the larger of its two samples) that takes ``host_bytes / BW`` at
+least. Two bounds:
 
 - ``host_only``: the token takes no more than the host's reads (the card and the bridge free);
 - ``host_floor``: the host's reads at full bandwidth and everything else as measured: the
