@@ -268,14 +268,14 @@ def main(argv=None) -> None:
                     results["runs"].append(r)
                     print(f"{name:14s} {act:4s} {rpi:3d}:{pf:<5d} {N:4d} {r['ms']:8.3f} {r['GB'] * 1e3:7.1f} {r['GBps']:6.2f} {r['ratio']:5.2f} "
                           f"{r['GBps_best']:9.2f} {r['work_GBps']:9.2f} {r['empty_ms']:8.3f}")
-        bw, huge = read_bandwidth(a.bw_mib, max(5, a.reps // 2))
-        results["bandwidth_samples"][th].append(dict(GBps=bw, huge_page_bytes=huge))
-        bw = results["bandwidth"][th] = max(results["bandwidth"][th], bw)
+        after, huge = read_bandwidth(a.bw_mib, max(5, a.reps // 2))
+        results["bandwidth_samples"][th].append(dict(GBps=after, huge_page_bytes=huge))
+        bw = results["bandwidth"][th] = max(bw, after)
         for r in results["runs"]:
             if r["threads"] == th:
                 r["ratio"] = r["GBps"] / bw
-        print(f"threads {th}: read bandwidth again {results['bandwidth_samples'][th][1]['GBps']:.1f} GB/s "
-              f"({huge / 2**20:.0f} MiB on huge pages); the JSON's ratios are to the larger, {bw:.1f}")
+        print(f"threads {th}: read bandwidth again {after:.1f} GB/s ({huge / 2**20:.0f} MiB on huge pages); "
+              f"the JSON's ratios are to the larger, {bw:.1f}")
     results["machine"]["threading_layer"] = numba.threading_layer()
     print(f"\nnumba threading layer: {results['machine']['threading_layer']}")
     if a.asm:

@@ -849,7 +849,8 @@ def _moe_kernel(out, x, experts, weights, on_host, gw, uw, dw, gfmt, ufmt, dfmt,
                       XS, XQK, XDK, XBK, XQ8, X16, XQ0, XD0, tab16, tabbf, mmin1, maxc, pf)
         _item_ends(last)
     _region_spans(spans, t0, first, last)
-    if P * F >= SERIAL_PREP_MAX:
+    hrows = 0 if P * F >= SERIAL_PREP_MAX else P  # hidden rows phase 2's region prepares
+    if hrows == 0:
         t0 = ticks()
         for p in prange(P):
             _item_starts(first)
@@ -859,8 +860,8 @@ def _moe_kernel(out, x, experts, weights, on_host, gw, uw, dw, gfmt, ufmt, dfmt,
     t0 = ticks()
     for it in prange(n2):
         _item_starts(first)
-        if P * F < SERIAL_PREP_MAX:
-            _prepare_taken(counter, H_TAKEN, H, P, kd, kd, hact)
+        if hrows > 0:
+            _prepare_taken(counter, H_TAKEN, H, hrows, kd, kd, hact)
         _down_item(it * rpi2, min(D, (it + 1) * rpi2), gexp, start, pids, pair_tok, pair_w, H, dw, dfmt, q8,
                    kd, HS, HQK, HDK, HBK, HQ8, H16, HQ0, HD0, tab16, tabbf, mmin2, maxc, pf, out)
         _item_ends(last)
