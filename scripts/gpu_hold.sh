@@ -15,8 +15,8 @@
 #           marks, and n-cpu-moe=36's bound from `host`'s bandwidth (host_bound.py). By default
 #           issues 8 and 9 in one call (twenty-fourth session: 469 s; run it under timeout 575)
 #   probe   `host` in more detail: host_bench under HOST_LAYOUTS and under OLD (an earlier
-#           package's copy: a kernel change's A/B), host_call_probe.py's r2, r1p1 and team layouts
-#           with no card, then the builds
+#           package's copy: a kernel change's A/B), host_call_probe.py's layouts (PROBE_LAYOUTS,
+#           default r2, r1p1 and team) with no card at PROBE_THREADS, then the builds
 #   teamprobe  why the host team's work doubles on the H100 host, ours only, n-cpu-moe=36 (PLACE)
 #           under RUNS' variants (one region, two, the team, at 12 threads); `team` with the same
 #           RUNS measures them beside llama.cpp
@@ -147,10 +147,15 @@ probe)
       --out $RES/host_bench_old.json > $RES/host_bench_old.txt 2>&1; tail -6 $RES/host_bench_old.txt
   fi
   pack
-  PYTHONPATH=$PYTHONPATH:$PWD/scripts timeout 150 python3 scripts/host_call_probe.py --reps 20 --waits 10k \
-    --gaps 0,100 --layouts r2,r1p1,team --rounds 1 --json $RES/host_call_probe.json > $RES/host_call_probe.txt 2>&1
-  tail -20 $RES/host_call_probe.txt
-  pack
+  # at each of PROBE_THREADS' Numba thread counts (the team's fixed ~100 us a call: does it grow
+  # with the team?)
+  for t in ${PROBE_THREADS:-$(( $(nproc) - 2 ))}; do
+    NUMBA_NUM_THREADS=$t PYTHONPATH=$PYTHONPATH:$PWD/scripts timeout 150 python3 scripts/host_call_probe.py --reps 20 \
+      --waits 10k --gaps 0,100 --layouts ${PROBE_LAYOUTS:-r2,r1p1,team} --rounds 1 --json $RES/host_call_probe_t$t.json \
+      > $RES/host_call_probe_t$t.txt 2>&1
+    echo "threads $t: $(grep -h '^10k' $RES/host_call_probe_t$t.txt)"
+    pack
+  done
   if [ "${BUILDS:-1}" = 1 ]; then
     bash scripts/start_builds.sh
     bash scripts/await_builds.sh 330

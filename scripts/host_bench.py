@@ -9,13 +9,13 @@ token count N and thread count, one layer call routes N tokens to k of E experts
 host, once per activation variant (f32, q8; interleaved call by call so that a noisy machine
 disturbs them alike). It reports the median time over ``--reps`` routings after ``--warmup``,
 and GB/s = bytes of the distinct experts the call touched / time, next to a Numba parallel sum
-over a large float32 array measured in the same run with the same threads (the read
-bandwidth), and their ratio. "work GB/s" counts an expert's bytes once per (token, expert)
+over a large float32 array timed between the calls with the same threads (the read bandwidth:
+the median of one sum a repetition, under the calls' conditions), and their ratio. "work GB/s" counts an expert's bytes once per (token, expert)
 pair: the rate of the dot products themselves, above GB/s once tokens share experts (an expert
 with ``multi_min`` tokens or more decodes each row once for all of them; fewer, and each pair
 reads the rows again, from cache). ``--multi-min`` sets host_moe_swiglu's threshold (default:
-its own; a large value turns the multi-token path off, for a before/after in one run). Routing changes every call and walks through all E experts,
-so the weights come from DRAM, not from the last call's cache. "empty ms" is the same call with
+its own; a large value turns the multi-token path off, for a before/after in one run). Routing changes every call (every variant's too) and walks
+through all E experts, so the weights come from DRAM, not from the last call's cache. "empty ms" is the same call with
 no expert on the host: what a call costs before any dot product.
 
 Weights: ``--distinct`` experts are quantized from random normals with the repo's quantizer and
@@ -60,10 +60,9 @@ def _parallel_sum(a):
     return s
 
 
-def read_bandwidth(mib: int, reps: int) -> tuple[float, int]:
-    """GB/s of a Numba parallel float32 sum over ``mib`` MiB (median of ``reps`` after a warm-up),
-    and how many of the array's bytes sit on huge pages."""
-    a = np.ones(mib * (1 << 20) // 4, np.float32)
+def read_bandwidth(a: np.ndarray, reps: int) -> tuple[float, int]:
+    """GB/s of a Numba parallel float32 sum over ``a`` (median of ``reps`` after a warm-up), and
+    how many of the array's bytes sit on huge pages."""
     _parallel_sum(a)
     ts = []
     for _ in range(reps):
@@ -129,34 +128,46 @@ def routings(rng, N: int, k: int, E: int, count: int):
 
 def bench_case(layer, acts: list[str], N: int, k: int, reps: int, warmup: int, seed: int = 0,
                chunksize: int = CHUNKSIZE, multi_min: int | None = None,
-               layouts: tuple[tuple[int, int], ...] = ((ROWS_PER_ITEM, PREFETCH_BYTES),)) -> dict[tuple, dict]:
+               layouts: tuple[tuple[int, int], ...] = ((ROWS_PER_ITEM, PREFETCH_BYTES),),
+               bw_array: np.ndarray | None = None) -> tuple[dict[tuple, dict], list[float]]:
     """Time one layer call per routing for each variant (activation, rows per work item,
-    prefetch bytes ahead), interleaved (variant after variant on the same routing), so that a
-    noisy machine disturbs the variants alike. Keys: (act, rows_per_item, prefetch_bytes)."""
+    prefetch bytes ahead), interleaved (variant after variant, the order rotating each repetition),
+    so that a noisy machine disturbs the variants alike. Every call has a routing of its own: a
+    variant run on the routing the previous one just read would find up to a whole call's experts
+    (24.5 MB at one token) in the last-level cache (the twenty-fifth session's 3,456-byte "win" was
+    such a second variant). Where ``bw_array`` is given, each repetition also times one parallel
+    sum over it: the read bandwidth under the same conditions as the calls. Returns, keyed
+    (act, rows_per_item, prefetch_bytes), each variant's times, and the bandwidth samples (GB/s)."""
     E = layer.n_experts
     D, F = layer.dims
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((N, D)).astype(np.float32)
     w = rng.dirichlet(np.ones(k), N).astype(np.float32)
     on_host = np.ones(E, bool)
-    routes = routings(rng, N, k, E, warmup + reps)
-    per_expert = layer.expert_bytes()
     ts = {(act, rpi, pf): [] for act in acts for rpi, pf in layouts}
-    nbytes = []
-    for i, ex in enumerate(routes):
-        for act, rpi, pf in ts:
+    variants = list(ts)
+    routes = iter(routings(rng, N, k, E, (warmup + reps) * len(variants)))
+    per_expert = layer.expert_bytes()
+    nbytes, bw = [], []
+    for i in range(warmup + reps):
+        for j in range(len(variants)):
+            act, rpi, pf = variants[(i + j) % len(variants)]
+            ex = next(routes)
             t0 = time.perf_counter()
             host_moe_swiglu(x, ex, w, on_host, layer, act=act, chunksize=chunksize, multi_min=multi_min,
                             rows_per_item=rpi, prefetch_bytes=pf)
             dt = time.perf_counter() - t0
             if i >= warmup:
                 ts[(act, rpi, pf)].append(dt)
-        if i >= warmup:
-            nbytes.append(len(np.unique(ex)) * per_expert)
+                nbytes.append(len(np.unique(ex)) * per_expert)
+        if bw_array is not None and i >= warmup:
+            t0 = time.perf_counter()
+            _parallel_sum(bw_array)
+            bw.append(bw_array.nbytes / (time.perf_counter() - t0) / 1e9)
     # The same call with no pair on the host: argument checks, Numba dispatch, grouping, return.
     none_on_host = np.zeros(E, bool)
     empty = []
-    for ex in routes[warmup:]:
+    for ex in routings(rng, N, k, E, reps):
         t0 = time.perf_counter()
         host_moe_swiglu(x, ex, w, none_on_host, layer, chunksize=chunksize, multi_min=multi_min)
         empty.append(time.perf_counter() - t0)
@@ -168,7 +179,7 @@ def bench_case(layer, acts: list[str], N: int, k: int, reps: int, warmup: int, s
         t, best = float(np.median(times)), float(np.min(times))
         out[key] = {"rows_per_item": key[1], "prefetch_bytes": key[2], "ms": t * 1e3, "ms_min": best * 1e3, "GB": gb, "GBps": gb / t, "GBps_best": gb / best,
                     "pairs": N * k, "work_GBps": work / t, "empty_ms": empty_ms}
-    return out
+    return out, bw
 
 
 def asm_mix(top: int = 8) -> dict[str, list]:
@@ -247,35 +258,39 @@ def main(argv=None) -> None:
             huge = sum(huge_page_bytes(t.data) for t in (layer.gate, layer.up, layer.down))
             results.setdefault("memory", {})[key] = dict(kind=memory, huge_page_bytes=huge)
             print(f"  {key}: {huge / 2**20:.0f} MiB of its mappings on huge pages")
+    bw_array = np.ones(a.bw_mib * (1 << 20) // 4, np.float32)
     for th in threads:
         numba.set_num_threads(th)
-        # Measured before and after the kernels, the larger kept: on the twenty-fifth session's
-        # host one process read 76.1 GB/s where the next read 131.8 and the kernels 94-98.
-        bw, huge = read_bandwidth(a.bw_mib, max(5, a.reps // 2))
-        results["bandwidth"][th] = bw
-        results.setdefault("bandwidth_samples", {})[th] = [dict(GBps=bw, huge_page_bytes=huge)]
+        # The read bandwidth: a sum before the kernels, one between each repetition's calls (the
+        # ratio's denominator: the conditions the calls ran under) and one after. On the
+        # twenty-fifth session's host one process read 76.1 GB/s where the next read 131.8.
+        before, huge = read_bandwidth(bw_array, max(5, a.reps // 2))
+        between = []
         print(f"\nthreads {th}: read bandwidth (numba parallel sum, {a.bw_mib} MiB f32, "
-              f"{huge / 2**20:.0f} MiB on huge pages) {bw:.1f} GB/s")
-        print(f"{'weights':14s} {'act':4s} {'rpi:bytes':9s} {'N':>4s} {'ms':>8s} {'MB':>7s} {'GB/s':>6s} {'ratio':>5s} "
+              f"{huge / 2**20:.0f} MiB on huge pages) {before:.1f} GB/s before the kernels")
+        print(f"{'weights':14s} {'act':4s} {'rpi:bytes':9s} {'N':>4s} {'ms':>8s} {'MB':>7s} {'GB/s':>6s} "
               f"{'best GB/s':>9s} {'work GB/s':>9s} {'empty ms':>8s}")
+        runs = []
         for name, layer in layers.items():
             for N in tokens:
-                case = bench_case(layer, a.acts.split(","), N, a.k, a.reps, a.warmup, chunksize=a.chunksize,
-                                  multi_min=a.multi_min, layouts=layouts)
+                case, samples = bench_case(layer, a.acts.split(","), N, a.k, a.reps, a.warmup, chunksize=a.chunksize,
+                                           multi_min=a.multi_min, layouts=layouts, bw_array=bw_array)
+                between += samples
                 for (act, rpi, pf), r in case.items():
-                    r.update(weights=name, act=act, N=N, threads=th, ratio=r["GBps"] / bw,
-                             memory=results["memory"][name]["kind"])
-                    results["runs"].append(r)
-                    print(f"{name:14s} {act:4s} {rpi:3d}:{pf:<5d} {N:4d} {r['ms']:8.3f} {r['GB'] * 1e3:7.1f} {r['GBps']:6.2f} {r['ratio']:5.2f} "
+                    r.update(weights=name, act=act, N=N, threads=th, memory=results["memory"][name]["kind"])
+                    runs.append(r)
+                    print(f"{name:14s} {act:4s} {rpi:3d}:{pf:<5d} {N:4d} {r['ms']:8.3f} {r['GB'] * 1e3:7.1f} {r['GBps']:6.2f} "
                           f"{r['GBps_best']:9.2f} {r['work_GBps']:9.2f} {r['empty_ms']:8.3f}")
-        after, huge = read_bandwidth(a.bw_mib, max(5, a.reps // 2))
-        results["bandwidth_samples"][th].append(dict(GBps=after, huge_page_bytes=huge))
-        bw = results["bandwidth"][th] = max(bw, after)
-        for r in results["runs"]:
-            if r["threads"] == th:
-                r["ratio"] = r["GBps"] / bw
-        print(f"threads {th}: read bandwidth again {after:.1f} GB/s ({huge / 2**20:.0f} MiB on huge pages); "
-              f"the JSON's ratios are to the larger, {bw:.1f}")
+        after, _ = read_bandwidth(bw_array, max(5, a.reps // 2))
+        bw = results["bandwidth"][th] = float(np.median(between))
+        results.setdefault("bandwidth_samples", {})[th] = dict(
+            before=before, between=between, after=after, huge_page_bytes=huge)
+        for r in runs:
+            r["ratio"] = r["GBps"] / bw
+        results["runs"] += runs
+        print(f"threads {th}: read bandwidth between the calls {bw:.1f} GB/s (median of {len(between)}, "
+              f"{min(between):.1f}-{max(between):.1f}), after {after:.1f}; ratio (GB/s to it): "
+              + ", ".join(f"{r['act']} {r['rows_per_item']}:{r['prefetch_bytes']} N={r['N']} {r['ratio']:.2f}" for r in runs))
     results["machine"]["threading_layer"] = numba.threading_layer()
     print(f"\nnumba threading layer: {results['machine']['threading_layer']}")
     if a.asm:

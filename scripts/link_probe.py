@@ -144,7 +144,7 @@ def main(argv=None) -> int:
         link.bulk(8)
     result = dict(device=str(jax.devices()[0].device_kind), link="cuMemcpyHtoD from pinned" if link.cuda else
                   "host memcpy (no GPU: checks the script only)", threads=threads, experts=E, reps=args.reps,
-                  expert_mb=expert_mb, read_gbs=read_bandwidth(1024, 5))
+                  expert_mb=expert_mb, read_gbs=read_bandwidth(np.ones(1024 << 18, np.float32), 5)[0])
     bulk = [timed(link.bulk, 8) for _ in range(args.reps)]
     result["bulk"] = dict(mb=8 * link.expert_bytes[0] / 1e6, ms=_median_ms(bulk),
                           gbs=8 * link.expert_bytes[0] / statistics.median(bulk) / 1e9)
