@@ -83,21 +83,18 @@ def _tensor(w: np.ndarray, qtype, E: int) -> HostTensor:
 MEMORIES = ("numpy", "small", "huge", "file")
 
 
-def in_memory(layer: HostExpertLayer, memory: str, tmpdir: str) -> HostExpertLayer:
+def in_memory(layer: HostExpertLayer, memory: str, tmpdir: str, copy: bool = False) -> HostExpertLayer:
     """``layer`` copied into one kind of host memory: "numpy" as built (NumPy asks large arrays
     for huge pages), "small" / "huge" anonymous memory on 4 KiB / 2 MiB pages (``host.memory``:
     the FFI bridge's pinned memory by default / with BLOOMERY_HOST_PAGES=huge), "file" a memmap of
     a file written with its bytes (the page cache, as the callback bridge reads the GGUF)."""
     if memory == "numpy":
-        return layer
+        return layer.copied(lambda n: np.empty(n, np.uint8)) if copy else layer
     if memory == "file":
-        names = itertools.count()
-
         def alloc(n: int) -> np.ndarray:
-            path = f"{tmpdir}/tensor{next(names)}.bin"
-            with open(path, "wb") as f:
+            with tempfile.NamedTemporaryFile(dir=tmpdir, suffix=".bin", delete=False) as f:
                 f.truncate(n)
-            return np.memmap(path, np.uint8, mode="r+", shape=(n,))
+            return np.memmap(f.name, np.uint8, mode="r+", shape=(n,))
 
         return layer.copied(alloc)
     return layer.copied(lambda n: host_buffer(n, memory))
@@ -126,7 +123,7 @@ def routings(rng, N: int, k: int, E: int, count: int):
     return out
 
 
-def bench_case(layer, acts: list[str], N: int, k: int, reps: int, warmup: int, seed: int = 0,
+def bench_case(layers: list, acts: list[str], N: int, k: int, reps: int, warmup: int, seed: int = 0,
                chunksize: int = CHUNKSIZE, multi_min: int | None = None,
                layouts: tuple[tuple[int, int], ...] = ((ROWS_PER_ITEM, PREFETCH_BYTES),),
                bw_array: np.ndarray | None = None) -> tuple[dict[tuple, dict], list[float]]:
@@ -135,9 +132,13 @@ def bench_case(layer, acts: list[str], N: int, k: int, reps: int, warmup: int, s
     so that a noisy machine disturbs the variants alike. Every call has a routing of its own: a
     variant run on the routing the previous one just read would find up to a whole call's experts
     (24.5 MB at one token) in the last-level cache (the twenty-fifth session's 3,456-byte "win" was
-    such a second variant). Where ``bw_array`` is given, each repetition also times one parallel
+    such a second variant). Calls cycle through ``layers`` (copies in memory of their own) as a
+decode step cycles through its layers, so that an expert comes back only after more bytes than the
+last-level cache holds (the twenty-sixth session's H100 host showed 300 MiB of L3; one layer of 128
+experts is 392 MB). Where ``bw_array`` is given, each repetition also times one parallel
     sum over it: the read bandwidth under the same conditions as the calls. Returns, keyed
     (act, rows_per_item, prefetch_bytes), each variant's times, and the bandwidth samples (GB/s)."""
+    layer = layers[0]
     E = layer.n_experts
     D, F = layer.dims
     rng = np.random.default_rng(seed)
@@ -149,10 +150,12 @@ def bench_case(layer, acts: list[str], N: int, k: int, reps: int, warmup: int, s
     routes = iter(routings(rng, N, k, E, (warmup + reps) * len(variants)))
     per_expert = layer.expert_bytes()
     nbytes, bw = [], []
+    calls = itertools.count()
     for i in range(warmup + reps):
         for j in range(len(variants)):
             act, rpi, pf = variants[(i + j) % len(variants)]
             ex = next(routes)
+            layer = layers[next(calls) % len(layers)]
             t0 = time.perf_counter()
             host_moe_swiglu(x, ex, w, on_host, layer, act=act, chunksize=chunksize, multi_min=multi_min,
                             rows_per_item=rpi, prefetch_bytes=pf)
@@ -233,6 +236,8 @@ def main(argv=None) -> None:
     p.add_argument("--memory", default="numpy",
                    help=f"host memory kinds the weights are read from, comma separated ({', '.join(MEMORIES)})")
     p.add_argument("--distinct", type=int, default=4, help="experts quantized, then tiled to E")
+    p.add_argument("--layers", type=int, default=4,
+                   help="copies of the layer the calls cycle through (bytes between an expert's reads: this times E)")
     p.add_argument("--bw-mib", type=int, default=1024, help="array size of the read-bandwidth sum")
     p.add_argument("--asm", action="store_true", help="print each row kernel's packed-SIMD mix (after the run)")
     p.add_argument("--out", help="write the results as JSON here")
@@ -243,7 +248,7 @@ def main(argv=None) -> None:
     layouts = tuple(tuple(int(v) for v in s.split(":")) for s in a.layouts.split(","))
     results = {"machine": {"cpu": platform.processor() or platform.machine(), "numba": numba.__version__,
                            "threading_layer": None, "cores": numba.config.NUMBA_NUM_THREADS},
-               "shape": {"D": a.d, "F": a.f, "E": a.experts, "k": a.k}, "bandwidth": {}, "runs": []}
+               "shape": {"D": a.d, "F": a.f, "E": a.experts, "k": a.k}, "layers": a.layers, "bandwidth": {}, "runs": []}
     layers = {}
     tmpdir = tempfile.mkdtemp(prefix="host_bench_")
     for name in a.weights.split(","):
@@ -252,10 +257,10 @@ def main(argv=None) -> None:
         print(f"{name}: {built.expert_bytes() / 1e6:.2f} MB an expert, "
               f"{built.expert_bytes() * a.experts / 1e9:.2f} GB a layer (built in {time.perf_counter() - t0:.1f} s)")
         for memory in a.memory.split(","):
-            layer = in_memory(built, memory, tmpdir)
+            copies = [in_memory(built, memory, tmpdir, copy=c > 0) for c in range(a.layers)]
             key = name if memory == "numpy" else f"{name}@{memory}"
-            layers[key] = layer
-            huge = sum(huge_page_bytes(t.data) for t in (layer.gate, layer.up, layer.down))
+            layers[key] = copies
+            huge = sum(huge_page_bytes(t.data) for layer in copies for t in (layer.gate, layer.up, layer.down))
             results.setdefault("memory", {})[key] = dict(kind=memory, huge_page_bytes=huge)
             print(f"  {key}: {huge / 2**20:.0f} MiB of its mappings on huge pages")
     bw_array = np.ones(a.bw_mib * (1 << 20) // 4, np.float32)
@@ -271,9 +276,9 @@ def main(argv=None) -> None:
         print(f"{'weights':14s} {'act':4s} {'rpi:bytes':9s} {'N':>4s} {'ms':>8s} {'MB':>7s} {'GB/s':>6s} "
               f"{'best GB/s':>9s} {'work GB/s':>9s} {'empty ms':>8s}")
         runs = []
-        for name, layer in layers.items():
+        for name, copies in layers.items():
             for N in tokens:
-                case, samples = bench_case(layer, a.acts.split(","), N, a.k, a.reps, a.warmup, chunksize=a.chunksize,
+                case, samples = bench_case(copies, a.acts.split(","), N, a.k, a.reps, a.warmup, chunksize=a.chunksize,
                                            multi_min=a.multi_min, layouts=layouts, bw_array=bw_array)
                 between += samples
                 for (act, rpi, pf), r in case.items():
@@ -290,7 +295,7 @@ def main(argv=None) -> None:
         results["runs"] += runs
         print(f"threads {th}: read bandwidth between the calls {bw:.1f} GB/s (median of {len(between)}, "
               f"{min(between):.1f}-{max(between):.1f}), after {after:.1f}; ratio (GB/s to it): "
-              + ", ".join(f"{r['act']} {r['rows_per_item']}:{r['prefetch_bytes']} N={r['N']} {r['ratio']:.2f}" for r in runs))
+              + ", ".join(f"{r['weights']} {r['act']} {r['rows_per_item']}:{r['prefetch_bytes']} N={r['N']} {r['ratio']:.2f}" for r in runs))
     results["machine"]["threading_layer"] = numba.threading_layer()
     print(f"\nnumba threading layer: {results['machine']['threading_layer']}")
     if a.asm:
