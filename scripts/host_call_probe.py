@@ -15,7 +15,11 @@ that part up, on the bridges' thread count:
   through ``host_moe_swiglu``; ``team``: the host team of ``ffi_bridge.cc``, threads that stay
   awake between calls, through its ``bloomery_ffi_run_host``) with m of 8 experts on the host,
   and the line fitted through m = 1..8: intercept (fixed µs a call) and slope (µs an expert,
-  with its GB/s).
+  with its GB/s);
+- for the team, ``phases_us``: at each m, when the first and the last thread reached each of its
+  stamps (``ffi_layout.TEAM_STAMPS``: its part entered, the shared items, its phase-1 items done,
+  all of phase 1, the hidden rows, its part done), µs after the call began (medians): where the
+  team's fixed ~0.1-0.3 ms a call goes, which only a call with work pays.
 
 Each call's routing walks through the experts so that its weights come from DRAM.
 
@@ -54,6 +58,7 @@ def child(args) -> dict:
     from bloomery_jax.host.bridge import default_threads
     from bloomery_jax.host.entry import layer_entry
     from bloomery_jax.host.ffi import FfiHostBridge, library
+    from bloomery_jax.host.ticks import _now, ticks_per_second
     from host_bench import make_layer
 
     threads = default_threads()
@@ -79,6 +84,9 @@ def child(args) -> dict:
     weights = np.full((1, K), 1.0 / K, np.float32)
     out = np.empty((1, 2048), np.float32)
     step = [0]
+    # a team call's stamps (ffi_layout.TEAM_STAMPS) after the counters, [threads, 8]: each thread's line
+    stamps = bridge._team_scratch[3][F.COUNTER_WORDS:].reshape(-1, 8)[:threads, :len(F.TEAM_STAMPS)]
+    team_phases = []  # per team call: each stamp's first and last thread, ticks after the call began
 
     def call(path: str, m: int) -> float:
         ids = ((step[0] * K + np.arange(K)) % E).astype(np.int32)[None]
@@ -89,15 +97,18 @@ def child(args) -> dict:
             record[F.REGIONS] = int(path[1])
             record[F.PARTS] = int(path[3:]) if path.startswith("r1p") else 1
         record[F.TEAM] = int(path == "team")
+        # the addresses first: each .ctypes.data costs microseconds, which the call's time must not hold
+        args = [a.ctypes.data for a in (record, x, ids, weights, on_host, out)] + [1]
         t0 = time.perf_counter()
         if path == "python":
             host_moe_swiglu(x, ids, weights, on_host, layer)
         elif path == "team":
-            run_host(record.ctypes.data, x.ctypes.data, ids.ctypes.data, weights.ctypes.data, on_host.ctypes.data,
-                     out.ctypes.data, 1)
+            before = _now()
+            run_host(*args)
+            if m:
+                team_phases.append((stamps.min(axis=0) - before, stamps.max(axis=0) - before))
         else:
-            entry(record.ctypes.data, x.ctypes.data, ids.ctypes.data, weights.ctypes.data, on_host.ctypes.data,
-                  out.ctypes.data, 1)
+            entry(*args)
         return time.perf_counter() - t0
 
     def gap(seconds: float) -> None:  # the card's work between two calls: this thread waits, idle
@@ -123,16 +134,24 @@ def child(args) -> dict:
             # helpers for TEAM_SPIN_US): let them sleep first, or this layout's first calls share
             # the cores with them (twenty-third session: the team's first series 1.9 ms a call)
             time.sleep(0.5)
-            ms = {}
+            ms, phases = {}, {}
             for m in (0, 1, 2, 4, 6, 8):
                 samples = []
+                team_phases.clear()
                 for _ in range(args.reps):
                     gap(g * 1e-6)
                     samples.append(call(path, m))
                 ms[m] = statistics.median(samples) * 1e3
+                if team_phases:  # when each phase's first and last thread got there, us after the call began
+                    us = 1e6 / ticks_per_second()
+                    phases[m] = {name: [round(float(np.median([c[0][i] for c in team_phases])) * us, 1),
+                                        round(float(np.median([c[1][i] for c in team_phases])) * us, 1)]
+                                 for i, name in enumerate(F.TEAM_STAMPS)}
             fit = _fit({m: v for m, v in ms.items() if m})
             fit["slope_gbs"] = expert_mb / fit["slope_us"] * 1e3
             rows[path] = dict(ms=ms, **fit)
+            if phases:
+                rows[path]["phases_us"] = phases
         res["gaps"][g] = rows
     return res
 

@@ -108,6 +108,40 @@ def test_host_team_gives_the_caller_its_thread_count_back():
     assert numba.get_num_threads() == 2
 
 
+def test_host_team_threads_stamp_their_phases_in_order():
+    """Each team thread stamps its phases (ffi_layout.TEAM_STAMPS) after the team's counters: every
+    stamp of a call lies between the counter read just before the call and just after it, in the
+    order the phases run, and the next call's stamps replace them (the call's memset spares them)."""
+    import ctypes
+
+    from bloomery_jax.host.ticks import _now
+
+    threads = 2
+    bridge = FfiHostBridge({1: _layer("Q4_K_M")}, threads, team=True)
+    bridge._ensure_team_scratch(4)
+    counters = bridge._team_scratch[3]
+    record = bridge._records[1].copy()
+    record[ffi_layout.K] = 4
+    run_host = library().bloomery_ffi_run_host
+    run_host.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64]
+    rng = np.random.default_rng(5)
+    on_host = np.ones(E, bool)
+    previous = None
+    for _ in range(2):
+        x, experts, weights = _routing(rng, 1, 4)
+        out = np.empty_like(x)
+        before = _now()
+        run_host(record.ctypes.data, x.ctypes.data, experts.ctypes.data, weights.ctypes.data, on_host.ctypes.data,
+                 out.ctypes.data, 1)
+        after = _now()
+        # [threads, 8] words, each thread's line: its stamps first
+        stamps = counters[ffi_layout.COUNTER_WORDS:].reshape(threads, 8)[:, :len(ffi_layout.TEAM_STAMPS)]
+        assert (stamps >= before).all() and (stamps <= after).all(), (before, stamps, after)
+        assert (np.diff(stamps, axis=1) >= 0).all(), stamps
+        assert previous is None or (stamps > previous.max()).all()
+        previous = stamps.copy()
+
+
 def test_dynamic_chunks_give_the_same_result(monkeypatch):
     """With BLOOMERY_HOST_CHUNKSIZE's setting (here 2: work items handed out two at a time as threads
     free up) the handler sets the chunk size through Numba's C setter before each call; every

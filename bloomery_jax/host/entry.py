@@ -77,8 +77,8 @@ _TEAM_SIGNATURE = types.void(types.CPointer(types.int64), types.int64, types.int
 def team_entry(rec, x, experts, weights, on_host, out, n, tid, nthreads):
     """Thread ``tid`` of ``nthreads``'s part of the call ``layer_entry`` would make, for the host
     team of ``ffi_bridge.cc``: the record's ``TEAM_SCRATCH`` holds the addresses of
-    ``swiglu.team_scratch``'s nine arrays of ``TEAM_PAIRS`` rows, ``TEAM_COUNTERS`` five zeroed
-    counters a cache line apart."""
+    ``swiglu.team_scratch``'s nine arrays of ``TEAM_PAIRS`` rows, ``TEAM_COUNTERS`` the zeroed
+    ``ffi_layout.COUNTERS`` and each thread's stamps, a cache line apart."""
     Fr = rec[F.F]
     xa, ea, wa, ha, oa, gw, uw, dw, tab16, tabbf = _views(rec, x, experts, weights, on_host, out, n)
     a = carray(_pointer(rec[F.TEAM_SCRATCH], np.int64), (9,))
@@ -88,7 +88,7 @@ def team_entry(rec, x, experts, weights, on_host, out, n, tid, nthreads):
                carray(_pointer(a[4], np.int32), (M, Fr // 32)), carray(_pointer(a[5], np.int8), (M, Fr)),
                carray(_pointer(a[6], np.int16), (M, Fr // 16)), carray(_pointer(a[7], np.int16), (M, Fr)),
                carray(_pointer(a[8], np.float32), (M, Fr // 32)))
-    counter = carray(_pointer(rec[F.TEAM_COUNTERS], np.int64), (F.COUNTER_WORDS,))
+    counter = carray(_pointer(rec[F.TEAM_COUNTERS], np.int64), (F.COUNTER_WORDS + 8 * nthreads,))
     _team_part(oa, xa, ea, wa, ha, gw, uw, dw, rec[F.GATE_FMT], rec[F.UP_FMT], rec[F.DOWN_FMT], rec[F.Q8] != 0,
                tab16, tabbf, rec[F.ROWS_PER_ITEM], rec[F.MULTI_MIN1], rec[F.MULTI_MIN2], rec[F.PREFETCH_BYTES],
                rec[F.PARTS], scratch, counter, tid, nthreads)

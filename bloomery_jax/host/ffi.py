@@ -411,7 +411,7 @@ class FfiHostBridge(HostBridge):
             pairs = TEAM_TOKENS * k
             arrays = team_scratch(pairs, int(first[F.F]))
             addresses = np.array([a.ctypes.data for a in arrays], np.int64)
-            counters = np.zeros(F.COUNTER_WORDS, np.int64)
+            counters = np.zeros(F.COUNTER_WORDS + 8 * self.threads, np.int64)  # and each thread's stamps
             self._team_scratch = (k, arrays, addresses, counters)
             for rec in self._records.values():
                 rec[F.TEAM_SCRATCH], rec[F.TEAM_PAIRS] = addresses.ctypes.data, pairs

@@ -34,6 +34,12 @@ SIGNALS = ("hostfunc", "doorbell")
 # *_TAKEN, as TEAM_COUNTERS holds them and the kernels make them
 COUNTERS = ("P1_TAKEN", "P1_DONE", "H_TAKEN", "H_DONE", "P2_TAKEN", "X_TAKEN", "X_DONE")
 COUNTER_WORDS = 8 * len(COUNTERS)
+# What a host-team thread stamps (host.ticks) in its cache line after TEAM_COUNTERS' counters
+# (COUNTER_WORDS + 8 * tid + i; the memset of a call spares them): entering its part, the pairs
+# grouped, its activation rows and work items made, entering the shared items, its phase-1 items
+# finished, all of phase 1 finished, the hidden rows prepared, its part done. Read after a call
+# (host_call_probe.py), they tell where a team call's time goes.
+TEAM_STAMPS = ("enter", "grouped", "items", "share", "own_p1", "all_p1", "hidden", "done")
 globals().update({name: i for i, name in enumerate(FIELDS)})
 
 

@@ -668,8 +668,16 @@ def _items(start, gexp, F, D, rpi, nthreads, shares, mmin1):
 
 
 @njit(inline="always", nogil=True)
+def _stamp(counter, stamp, i):
+    """A host-team thread's stamp ``i`` (ffi_layout.TEAM_STAMPS) at word ``stamp + i`` of the
+    team's counters; ``stamp`` < 0: none (the one-region kernel)."""
+    if stamp >= 0:
+        counter[stamp + i] = ticks()
+
+
+@njit(inline="always", nogil=True)
 def _share(counter, bounds, n1, rpi2, n2, P, gexp, start, pids, pair_tok, pair_w, x, xrows, H, w3, fmt3, q8, kind3,
-           xact, hact, tab16, tabbf, mmin1, mmin2, maxc, pf, out, zero_items):
+           xact, hact, tab16, tabbf, mmin1, mmin2, maxc, pf, out, zero_items, stamp):
     """One thread's part of a call whose threads take items from shared counters (COUNTERS,
     zeroed: taken / finished for x's first ``xrows`` rows' preparation (0: prepared already),
     phase 1, the hidden rows' preparation, phase 2) and wait for the previous phase's items to
@@ -677,7 +685,7 @@ def _share(counter, bounds, n1, rpi2, n2, P, gexp, start, pids, pair_tok, pair_w
     before it waits, so nothing waits on an item that is not running. ``zero_items``: each
     phase 2 item zeroes its columns of out first (else out is zero already). ``w3``, ``fmt3``,
     ``kind3``: gate, up and down; ``xact`` / ``hact``: the activation forms of x and of the
-    hidden rows (_act_buffers).
+    hidden rows (_act_buffers); ``stamp``: where a team thread stamps its phases (_stamp).
 
     Inlined, and only into ``prange`` bodies: the same items compiled in a function of their own
     ran 1.25x (one region) to 1.5x (the team) slower a host expert, on one thread of the 2-core
@@ -689,6 +697,7 @@ def _share(counter, bounds, n1, rpi2, n2, P, gexp, start, pids, pair_tok, pair_w
     XS, XQK, XDK, XBK, XQ8, X16, XQ0, XD0 = xact
     HS, HQK, HDK, HBK, HQ8, H16, HQ0, HD0 = hact
     D = x.shape[1]
+    _stamp(counter, stamp, 3)
     if xrows > 0:
         _prepare_taken(counter, X_TAKEN, x, xrows, ka, kb, xact)
     it = _take(counter, P1_TAKEN, n1)
@@ -697,8 +706,11 @@ def _share(counter, bounds, n1, rpi2, n2, P, gexp, start, pids, pair_tok, pair_w
                       XS, XQK, XDK, XBK, XQ8, X16, XQ0, XD0, tab16, tabbf, mmin1, maxc, pf)
         atomics.fetch_add(counter, P1_DONE, 1)
         it = _take(counter, P1_TAKEN, n1)
+    _stamp(counter, stamp, 4)
     _await(counter, P1_DONE, n1)
+    _stamp(counter, stamp, 5)
     _prepare_taken(counter, H_TAKEN, H, P, kd, kd, hact)
+    _stamp(counter, stamp, 6)
     it = _take(counter, P2_TAKEN, n2)
     while it >= 0:
         r0, r1 = it * rpi2, min(D, (it + 1) * rpi2)
@@ -709,17 +721,18 @@ def _share(counter, bounds, n1, rpi2, n2, P, gexp, start, pids, pair_tok, pair_w
         _down_item(r0, r1, gexp, start, pids, pair_tok, pair_w, H, dw, dfmt, q8, kd, HS, HQK, HDK, HBK, HQ8, H16, HQ0,
                    HD0, tab16, tabbf, mmin2, maxc, pf, out)
         it = _take(counter, P2_TAKEN, n2)
+    _stamp(counter, stamp, 7)
 
 
 @njit(parallel=True, fastmath=True, cache=True, nogil=True)  # the kernel's flags: the items' arithmetic must match
 def _share_alone(counter, bounds, n1, rpi2, n2, P, gexp, start, pids, pair_tok, pair_w, x, xrows, H, w3, fmt3, q8,
-                 kind3, xact, hact, tab16, tabbf, mmin1, mmin2, maxc, pf, out, zero_items):
+                 kind3, xact, hact, tab16, tabbf, mmin1, mmin2, maxc, pf, out, zero_items, stamp):
     """``_share`` on the calling thread alone, compiled as a ``prange`` body (see _share's note).
     The caller's Numba thread count must be 1 (ffi_bridge.cc's team sets it): the region then runs
     on the caller, with no workers to wake."""
     for _ in prange(1):
         _share(counter, bounds, n1, rpi2, n2, P, gexp, start, pids, pair_tok, pair_w, x, xrows, H, w3, fmt3, q8, kind3,
-               xact, hact, tab16, tabbf, mmin1, mmin2, maxc, pf, out, zero_items)
+               xact, hact, tab16, tabbf, mmin1, mmin2, maxc, pf, out, zero_items, stamp)
 
 
 @njit(fastmath=True, cache=True, nogil=True)
@@ -729,7 +742,10 @@ def _team_part(out, x, experts, weights, on_host, gw, uw, dw, gfmt, ufmt, dfmt, 
     same dots in the same order as ``_moe_kernel``'s one region, so the same bits. Every thread
     groups the pairs and rounds x itself (the same values on each; microseconds for the few tokens
     a team call has), instead of waiting for one thread to do it; the hidden rows go to
-    ``scratch`` (``team_scratch``, shared), the counters are zero when the call starts."""
+    ``scratch`` (``team_scratch``, shared), the counters are zero when the call starts; the thread
+    stamps its phases after them (ffi_layout.TEAM_STAMPS)."""
+    stamp = COUNTER_WORDS + 8 * tid
+    _stamp(counter, stamp, 0)
     N, D = x.shape
     E, F = gw.shape[0], gw.shape[1]
     start, pair_tok, pair_w, pids, gexp, maxc = _group(experts, weights, on_host, E)
@@ -738,17 +754,19 @@ def _team_part(out, x, experts, weights, on_host, gw, uw, dw, gfmt, ufmt, dfmt, 
         if tid == 0:
             out[:] = 0.0
         return
+    _stamp(counter, stamp, 1)
     XS, XQK, XDK, XBK, XQ8, X16, XQ0, XD0 = _act_buffers(N, D)
     ka, kb, kd = _kind(gfmt, q8), _kind(ufmt, q8), _kind(dfmt, q8)
     for n in range(N):
         _prepare_row(x, n, ka, kb, XS, XQK, XDK, XBK, XQ8, X16, XQ0, XD0)
     H, HS, HQK, HDK, HBK, HQ8, H16, HQ0, HD0 = scratch
     bounds, rpi2 = _items(start, gexp, F, D, rpi, nthreads, nthreads * parts, mmin1)
+    _stamp(counter, stamp, 2)
     _share_alone(counter, bounds, bounds.shape[0] - 1, rpi2, (D + rpi2 - 1) // rpi2, P, gexp, start, pids, pair_tok,
                  pair_w, x, 0, H[:P], (gw, uw, dw), (gfmt, ufmt, dfmt), q8, (ka, kb, kd),
                  (XS, XQK, XDK, XBK, XQ8, X16, XQ0, XD0),
                  (HS[:P], HQK[:P], HDK[:P], HBK[:P], HQ8[:P], H16[:P], HQ0[:P], HD0[:P]), tab16, tabbf, mmin1, mmin2,
-                 maxc, pf, out, True)
+                 maxc, pf, out, True, stamp)
 
 
 def team_scratch(pairs: int, F: int) -> tuple:
@@ -833,7 +851,8 @@ def _moe_kernel(out, x, experts, weights, on_host, gw, uw, dw, gfmt, ufmt, dfmt,
         for _ in prange(nthreads):
             _item_starts(first)
             _share(counter, bounds, n1, rpi2, n2, P, gexp, start, pids, pair_tok, pair_w, x, xrows, H, (gw, uw, dw),
-                   (gfmt, ufmt, dfmt), q8, (ka, kb, kd), xact, hact, tab16, tabbf, mmin1, mmin2, maxc, pf, out, False)
+                   (gfmt, ufmt, dfmt), q8, (ka, kb, kd), xact, hact, tab16, tabbf, mmin1, mmin2, maxc, pf, out, False,
+                   -1)
             _item_ends(last)
         _region_spans(spans, t0, first, last)
         spans[SPAN_CALL] += ticks() - t_in
