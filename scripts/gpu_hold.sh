@@ -154,7 +154,7 @@ probe)
     NUMBA_NUM_THREADS=$t PYTHONPATH=$PYTHONPATH:$PWD/scripts timeout 150 python3 scripts/host_call_probe.py --reps 20 \
       --waits 10k --gaps 0,100 --layouts ${PROBE_LAYOUTS:-r2,r1p1,team} --rounds 1 --json $RES/host_call_probe_t$t.json \
       > $RES/host_call_probe_t$t.txt 2>&1
-    echo "threads $t: $(grep -h '^10k' $RES/host_call_probe_t$t.txt)"
+    echo "threads $t:"; grep -h -A4 "^10k" $RES/host_call_probe_t$t.txt
     pack
   done
   if [ "${BUILDS:-1}" = 1 ]; then

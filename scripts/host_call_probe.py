@@ -201,6 +201,10 @@ def _round(args) -> dict:
         r = waits[w]
         print(w, json.dumps({g: {p: (round(v["intercept_us"], 1), round(v["slope_us"], 1)) for p, v in rows.items()}
                              for g, rows in r.get("gaps", {}).items()}), "region_us", r.get("region_us"), flush=True)
+        for g, rows in r.get("gaps", {}).items():  # the team's last thread at each stamp, m = 1 and 8
+            for m, phases in rows.get("team", {}).get("phases_us", {}).items():
+                if m in ("1", "8"):
+                    print(f"  gap {g} team m={m}:", " ".join(f"{k} {v[1]}" for k, v in phases.items()), flush=True)
     return waits
 
 
