@@ -151,7 +151,7 @@ probe)
   # at each of PROBE_THREADS' Numba thread counts (the team's fixed ~100 us a call: does it grow
   # with the team?)
   for t in ${PROBE_THREADS:-$(( $(nproc) - 2 ))}; do
-    NUMBA_NUM_THREADS=$t PYTHONPATH=$PYTHONPATH:$PWD/scripts timeout 150 python3 scripts/host_call_probe.py --reps 20 \
+    NUMBA_NUM_THREADS=$t PYTHONPATH=$PYTHONPATH:$PWD/scripts timeout 200 python3 scripts/host_call_probe.py --reps 20 \
       --waits 10k --gaps 0,100 --layouts ${PROBE_LAYOUTS:-r2,r1p1,team} --rounds 1 --json $RES/host_call_probe_t$t.json \
       > $RES/host_call_probe_t$t.txt 2>&1
     echo "threads $t:"; grep -h -A4 "^10k" $RES/host_call_probe_t$t.txt
