@@ -17,9 +17,10 @@ that part up, on the bridges' thread count:
   and the line fitted through m = 1..8: intercept (fixed µs a call) and slope (µs an expert,
   with its GB/s);
 - for the team, ``phases_us``: at each m, when the first and the last thread reached each of its
-  stamps (``ffi_layout.TEAM_STAMPS``: its part entered, the shared items, its phase-1 items done,
-  all of phase 1, the hidden rows, its part done), µs after the call began (medians): where the
-  team's fixed ~0.1-0.3 ms a call goes, which only a call with work pays.
+  stamps (``ffi_layout.TEAM_STAMPS``: its part entered, pairs grouped, items made, the shared
+  items entered, its phase-1 items done, all of phase 1, the hidden rows, its part done), µs
+  after the call began (medians): where the team's fixed ~0.1-0.3 ms a call goes, which only a
+  call with work pays.
 
 Each call's routing walks through the experts so that its weights come from DRAM.
 
