@@ -7,7 +7,12 @@
 # nineteenth session's disturbed quarter runs, benchmarks/gpu_2026-12-05-s19/COMMANDS.md).
 # The build runs in a copy of .baseline under /tmp: a later call that carries .baseline replaces
 # the folder, and with it a build still running there (seventeenth session).
+# A build that failed is tried again with this call's .baseline (twenty-sixth session: a source
+# tarball written twice at once here failed the first build and blocked the next call's).
+[ -f /tmp/llbuild.done ] && [ "$(cat /tmp/llbuild.done)" != 0 ] && rm -f /tmp/llbuild.done
 if [ ! -f /tmp/llbuild.done ] && ! pgrep -f llbase/llamacpp_gpu.sh > /dev/null; then
+  gzip -t .baseline/llama.cpp-src.tgz 2> /dev/null ||
+    echo "start_builds: .baseline/llama.cpp-src.tgz is damaged: run 'bash ../shared/tools/llamacpp_gpu.sh prepare' again" >&2
   rm -rf /tmp/llbase && cp -a .baseline /tmp/llbase
   setsid bash -c "taskset -c 0-11 nice -n 10 bash /tmp/llbase/llamacpp_gpu.sh build > /tmp/llbuild.log 2>&1; rc=\$?; cp -a /tmp/llbase/build /tmp/llama-build; echo \$rc > /tmp/llbuild.done" < /dev/null > /dev/null 2>&1 &
 fi
