@@ -13,7 +13,8 @@ that part up, on the bridges' thread count:
   function the FFI bridge calls, no Python) under each kernel layout (``--layouts``: ``r2`` two
   parallel regions, ``r1pN`` one region with N shares a thread; ``python``: the default layout
   through ``host_moe_swiglu``; ``team``: the host team of ``ffi_bridge.cc``, threads that stay
-  awake between calls, through its ``bloomery_ffi_run_host``) with m of 8 experts on the host,
+  awake between calls, through its ``bloomery_ffi_run_host``, ``teampN`` with N shares a thread)
+  with m of 8 experts on the host,
   and the line fitted through m = 1..8: intercept (fixed µs a call) and slope (µs an expert,
   with its GB/s);
 - for the team, ``phases_us``: at each m, when the first and the last thread reached each of its
@@ -97,13 +98,16 @@ def child(args) -> dict:
         if path.startswith("r"):  # r2 | r1pN
             record[F.REGIONS] = int(path[1])
             record[F.PARTS] = int(path[3:]) if path.startswith("r1p") else 1
-        record[F.TEAM] = int(path == "team")
+        team = path.startswith("team")  # team | teampN
+        if team:
+            record[F.PARTS] = int(path[5:]) if path.startswith("teamp") else 1
+        record[F.TEAM] = int(team)
         # the addresses first: each .ctypes.data costs microseconds, which the call's time must not hold
         args = [a.ctypes.data for a in (record, x, ids, weights, on_host, out)] + [1]
         t0 = time.perf_counter()
         if path == "python":
             host_moe_swiglu(x, ids, weights, on_host, layer)
-        elif path == "team":
+        elif team:
             before = _now()
             run_host(*args)
             if m:
@@ -162,7 +166,7 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=40)
     p.add_argument("--gaps", default="0,100", help="µs between calls, comma-separated")
     p.add_argument("--waits", default="10k,1M,passive", help=f"of {sorted(SPINS)}, comma-separated")
-    p.add_argument("--layouts", default="r2,r1p1,team", help="r2, r1pN, team or python, comma-separated")
+    p.add_argument("--layouts", default="r2,r1p1,team", help="r2, r1pN, team, teampN or python, comma-separated")
     p.add_argument("--rounds", type=int, default=2, help="times every wait setting is run, in turn")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--json")
@@ -203,9 +207,10 @@ def _round(args) -> dict:
         print(w, json.dumps({g: {p: (round(v["intercept_us"], 1), round(v["slope_us"], 1)) for p, v in rows.items()}
                              for g, rows in r.get("gaps", {}).items()}), "region_us", r.get("region_us"), flush=True)
         for g, rows in r.get("gaps", {}).items():  # the team's last thread at each stamp, m = 1 and 8
-            for m, phases in rows.get("team", {}).get("phases_us", {}).items():
-                if m in ("1", "8"):
-                    print(f"  gap {g} team m={m}:", " ".join(f"{k} {v[1]}" for k, v in phases.items()), flush=True)
+            for path, row in rows.items():
+                for m, phases in row.get("phases_us", {}).items():
+                    if m in ("1", "8"):
+                        print(f"  gap {g} {path} m={m}:", " ".join(f"{k} {v[1]}" for k, v in phases.items()), flush=True)
     return waits
 
 
