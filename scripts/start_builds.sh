@@ -9,7 +9,7 @@
 # the folder, and with it a build still running there (seventeenth session).
 # A build that failed is tried again with this call's .baseline (twenty-sixth session: a source
 # tarball written twice at once here failed the first build and blocked the next call's).
-[ -f /tmp/llbuild.done ] && [ "$(cat /tmp/llbuild.done)" != 0 ] && rm -f /tmp/llbuild.done
+[ -f /tmp/llbuild.done ] && [ "$(cat /tmp/llbuild.done)" != 0 ] && rm -rf /tmp/llbuild.done /tmp/llama-build
 if [ ! -f /tmp/llbuild.done ] && ! pgrep -f llbase/llamacpp_gpu.sh > /dev/null; then
   gzip -t .baseline/llama.cpp-src.tgz 2> /dev/null ||
     echo "start_builds: .baseline/llama.cpp-src.tgz is damaged: run 'bash ../shared/tools/llamacpp_gpu.sh prepare' again" >&2
