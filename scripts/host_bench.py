@@ -10,13 +10,15 @@ host, once per activation variant (f32, q8; interleaved call by call so that a n
 disturbs them alike). It reports the median time over ``--reps`` routings after ``--warmup``,
 and GB/s = bytes of the distinct experts the call touched / time, next to a Numba parallel sum
 over a large float32 array timed between the calls with the same threads (the read bandwidth:
-the median of one sum a repetition, under the calls' conditions), and their ratio. "work GB/s" counts an expert's bytes once per (token, expert)
-pair: the rate of the dot products themselves, above GB/s once tokens share experts (an expert
-with ``multi_min`` tokens or more decodes each row once for all of them; fewer, and each pair
-reads the rows again, from cache). ``--multi-min`` sets host_moe_swiglu's threshold (default:
-its own; a large value turns the multi-token path off, for a before/after in one run). Routing changes every call (every variant's too) and walks
-through all E experts, so the weights come from DRAM, not from the last call's cache. "empty ms" is the same call with
-no expert on the host: what a call costs before any dot product.
+the median of one sum a repetition, under the calls' conditions), and their ratio. "work GB/s"
+counts an expert's bytes once per (token, expert) pair: the rate of the dot products themselves,
+above GB/s once tokens share experts (an expert with ``multi_min`` tokens or more decodes each
+row once for all of them; fewer, and each pair reads the rows again, from cache).
+``--multi-min`` sets host_moe_swiglu's threshold (default: its own; a large value turns the
+multi-token path off, for a before/after in one run). Routing changes every call (every
+variant's too) and walks through all E experts, so the weights come from DRAM, not from the
+last call's cache. "empty ms" is the same call with no expert on the host: what a call costs
+before any dot product.
 
 Weights: ``--distinct`` experts are quantized from random normals with the repo's quantizer and
 tiled to E experts (distinct memory, the same values: quantizing all 128 would take minutes).
@@ -60,15 +62,18 @@ def _parallel_sum(a):
     return s
 
 
+def _timed_sum(a: np.ndarray) -> float:
+    """Seconds of one Numba parallel sum over ``a``."""
+    t0 = time.perf_counter()
+    _parallel_sum(a)
+    return time.perf_counter() - t0
+
+
 def read_bandwidth(a: np.ndarray, reps: int) -> tuple[float, int]:
     """GB/s of a Numba parallel float32 sum over ``a`` (median of ``reps`` after a warm-up), and
     how many of the array's bytes sit on huge pages."""
     _parallel_sum(a)
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        _parallel_sum(a)
-        ts.append(time.perf_counter() - t0)
+    ts = [_timed_sum(a) for _ in range(reps)]
     return a.nbytes / float(np.median(ts)) / 1e9, huge_page_bytes(a)
 
 
@@ -133,14 +138,13 @@ def bench_case(layers: list, acts: list[str], N: int, k: int, reps: int, warmup:
     variant run on the routing the previous one just read would find up to a whole call's experts
     (24.5 MB at one token) in the last-level cache (the twenty-fifth session's 3,456-byte "win" was
     such a second variant). Calls cycle through ``layers`` (copies in memory of their own) as a
-decode step cycles through its layers, so that an expert comes back only after more bytes than the
-last-level cache holds (the twenty-sixth session's H100 host showed 300 MiB of L3; one layer of 128
-experts is 392 MB). Where ``bw_array`` is given, each repetition also times one parallel
-    sum over it: the read bandwidth under the same conditions as the calls. Returns, keyed
+    decode step cycles through its layers, so that an expert comes back only after more bytes
+    than the last-level cache holds (the twenty-sixth session's H100 host showed 300 MiB of L3;
+    one layer of 128 experts is 392 MB). Where ``bw_array`` is given, each repetition also times
+    one parallel sum over it: the read bandwidth under the same conditions as the calls. Returns, keyed
     (act, rows_per_item, prefetch_bytes), each variant's times, and the bandwidth samples (GB/s)."""
-    layer = layers[0]
-    E = layer.n_experts
-    D, F = layer.dims
+    E = layers[0].n_experts
+    D, F = layers[0].dims
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((N, D)).astype(np.float32)
     w = rng.dirichlet(np.ones(k), N).astype(np.float32)
@@ -148,31 +152,28 @@ experts is 392 MB). Where ``bw_array`` is given, each repetition also times one 
     ts = {(act, rpi, pf): [] for act in acts for rpi, pf in layouts}
     variants = list(ts)
     routes = iter(routings(rng, N, k, E, (warmup + reps) * len(variants)))
-    per_expert = layer.expert_bytes()
+    per_expert = layers[0].expert_bytes()
     nbytes, bw = [], []
     calls = itertools.count()
     for i in range(warmup + reps):
         for j in range(len(variants)):
             act, rpi, pf = variants[(i + j) % len(variants)]
             ex = next(routes)
-            layer = layers[next(calls) % len(layers)]
             t0 = time.perf_counter()
-            host_moe_swiglu(x, ex, w, on_host, layer, act=act, chunksize=chunksize, multi_min=multi_min,
-                            rows_per_item=rpi, prefetch_bytes=pf)
+            host_moe_swiglu(x, ex, w, on_host, layers[next(calls) % len(layers)], act=act, chunksize=chunksize,
+                            multi_min=multi_min, rows_per_item=rpi, prefetch_bytes=pf)
             dt = time.perf_counter() - t0
             if i >= warmup:
                 ts[(act, rpi, pf)].append(dt)
                 nbytes.append(len(np.unique(ex)) * per_expert)
         if bw_array is not None and i >= warmup:
-            t0 = time.perf_counter()
-            _parallel_sum(bw_array)
-            bw.append(bw_array.nbytes / (time.perf_counter() - t0) / 1e9)
+            bw.append(bw_array.nbytes / _timed_sum(bw_array) / 1e9)
     # The same call with no pair on the host: argument checks, Numba dispatch, grouping, return.
     none_on_host = np.zeros(E, bool)
     empty = []
     for ex in routings(rng, N, k, E, reps):
         t0 = time.perf_counter()
-        host_moe_swiglu(x, ex, w, none_on_host, layer, chunksize=chunksize, multi_min=multi_min)
+        host_moe_swiglu(x, ex, w, none_on_host, layers[0], chunksize=chunksize, multi_min=multi_min)
         empty.append(time.perf_counter() - t0)
     empty_ms = float(np.median(empty)) * 1e3
     gb = float(np.median(nbytes)) / 1e9

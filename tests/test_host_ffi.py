@@ -84,23 +84,30 @@ def test_host_team_matches_the_callback_bridge_bit_for_bit(threads, monkeypatch)
     assert team.stats.calls == 5 * len(names)
 
 
+def _team_record(threads):
+    """A team bridge over one Q4_K_M layer for calls of k = 4, a copy of its record, and the C
+    entry that runs a call on the team from this thread (as host_call_probe.py calls it)."""
+    import ctypes
+
+    bridge = FfiHostBridge({1: _layer("Q4_K_M")}, threads, team=True)
+    bridge._ensure_team_scratch(4)
+    record = bridge._records[1].copy()
+    record[ffi_layout.K] = 4  # the FFI handler sets it from the call's operands
+    run_host = library().bloomery_ffi_run_host
+    run_host.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64]
+    return bridge, record, run_host
+
+
 def test_host_team_gives_the_caller_its_thread_count_back():
     """A team part runs with its thread's Numba thread count at 1 (so that its region stays on that
     thread); after a team call the calling thread has the record's count again, for the other
     parallel Numba code it runs. Called through the C entry on this thread, as the probe does."""
-    import ctypes
-
     import numba
 
-    bridge = FfiHostBridge({1: _layer("Q4_K_M")}, 2, team=True)
-    bridge._ensure_team_scratch(4)
-    record = bridge._records[1].copy()
-    record[ffi_layout.K] = 4  # the FFI handler sets it from the call's operands
+    bridge, record, run_host = _team_record(2)
     x, experts, weights = _routing(np.random.default_rng(3), 1, 4)
     on_host = np.ones(E, bool)
     out = np.empty_like(x)
-    run_host = library().bloomery_ffi_run_host
-    run_host.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64]
     numba.set_num_threads(2)
     run_host(record.ctypes.data, x.ctypes.data, experts.ctypes.data, weights.ctypes.data, on_host.ctypes.data,
              out.ctypes.data, 1)
@@ -112,18 +119,11 @@ def test_host_team_threads_stamp_their_phases_in_order():
     """Each team thread stamps its phases (ffi_layout.TEAM_STAMPS) after the team's counters: every
     stamp of a call lies between the counter read just before the call and just after it, in the
     order the phases run, and the next call's stamps replace them (the call's memset spares them)."""
-    import ctypes
-
     from bloomery_jax.host.ticks import _now
 
     threads = 2
-    bridge = FfiHostBridge({1: _layer("Q4_K_M")}, threads, team=True)
-    bridge._ensure_team_scratch(4)
+    bridge, record, run_host = _team_record(threads)
     counters = bridge._team_scratch[3]
-    record = bridge._records[1].copy()
-    record[ffi_layout.K] = 4
-    run_host = library().bloomery_ffi_run_host
-    run_host.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64]
     rng = np.random.default_rng(5)
     on_host = np.ones(E, bool)
     previous = None
