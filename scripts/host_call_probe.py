@@ -110,11 +110,12 @@ def child(args) -> dict:
         elif team:
             before = _now()
             run_host(*args)
-            if m:
-                team_phases.append((stamps.min(axis=0) - before, stamps.max(axis=0) - before))
         else:
             entry(*args)
-        return time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        if team and m:  # read after the clock: NumPy's reductions take microseconds
+            team_phases.append((stamps.min(axis=0) - before, stamps.max(axis=0) - before))
+        return took
 
     def gap(seconds: float) -> None:  # the card's work between two calls: this thread waits, idle
         if seconds:
