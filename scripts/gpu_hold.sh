@@ -138,7 +138,7 @@ probe)
   # HOST_LAYOUTS, the same under OLD (a copy of an earlier package, e.g. .baseline/old/bloomery_jax
   # from `git archive`: an A/B of a kernel change on one quiet host), host_call_probe's layouts
   # (two regions, one, the team; no card, no doorbell), then the builds (carry .baseline; BUILDS=0:
-  # the 48-layer file alone). `team` with RUNS follows at once.
+  # the 48-layer file alone; BUILDS=skip: neither). `team` with RUNS follows at once.
   H="--weights q4_k_m --acts q8 --tokens 1,8 --threads $(( $(nproc) - 2 )) --memory numpy"
   timeout 150 python3 scripts/host_bench.py $H --layouts ${HOST_LAYOUTS:-0:2304,0:3456,0:4608} \
     --out $RES/host_bench.json > $RES/host_bench.txt 2>&1; tail -12 $RES/host_bench.txt
@@ -160,7 +160,7 @@ probe)
   if [ "${BUILDS:-1}" = 1 ]; then
     bash scripts/start_builds.sh
     bash scripts/await_builds.sh 330
-  else  # the 48-layer file alone, for `teamprobe` in the same command
+  elif [ "${BUILDS}" = 0 ]; then  # the 48-layer file alone, for `teamprobe` in the same command (skip: neither)
     python3 scripts/gpu_session.py --out /tmp/model48-out model > $RES/model.log 2>&1; sync
   fi
   ;;
