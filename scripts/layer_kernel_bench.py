@@ -178,6 +178,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-copies", type=int, default=16, help="weight copies / expert sets a timed call walks")
     p.add_argument("--budget-s", type=float, default=400.0, help="start no new variant after this")
     p.add_argument("--small", action="store_true", help="small shapes (a CPU smoke run, kernels interpreted)")
+    p.add_argument("--current-only", action="store_true", help="time only what the code picks today (under ncu)")
     a = p.parse_args(argv)
     dims = SMOKE if a.small else QWEN3_30B
     t_start = time.time()
@@ -189,7 +190,8 @@ def main(argv=None) -> int:
         current = current_pick(key)
         launches = len(args[-1])
         ref = None
-        for i, cfg in enumerate([current] + [c for c in SWEEPS[name] if c != current]):
+        sweep = [] if a.current_only else [c for c in SWEEPS[name] if c != current]
+        for i, cfg in enumerate([current] + sweep):
             if time.time() - t_start > a.budget_s:
                 break
             row = dict(family=name, config=list(cfg.__dict__.values()), current=i == 0, weight_bytes=nbytes,
