@@ -10,8 +10,9 @@ Two steps in two interpreters, because the compiler is not one of the project's 
 2. ``compile`` (an environment with the ``triton`` package, e.g. ``python3 -m venv /tmp/tv &&
    /tmp/tv/bin/pip install triton``): compiles that IR for sm_90 at the config's warps and stages
    with upstream Triton, which is not the Triton inside jaxlib, so small differences from the
-   card's binary are possible; prints registers, spills and shared memory (ptxas) and the
-   instruction counts of the SASS (triton's bundled cuobjdump), per weight element.
+   card's binary are possible (on the H200, jaxlib's gate/up took 60 registers, upstream's 126);
+   prints registers, stack, local (spilled) and shared memory, and the SASS's instruction counts
+   (triton's bundled cuobjdump).
 
     python scripts/kernel_sass.py lower --family gate_up --config 32,1,4,3,4 --out /tmp/sass
     /tmp/tv/bin/python scripts/kernel_sass.py compile --out /tmp/sass
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
 import json
 import os
 import re
