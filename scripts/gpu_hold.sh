@@ -160,7 +160,7 @@ probe)
   if [ "${BUILDS:-1}" = 1 ]; then
     bash scripts/start_builds.sh
     bash scripts/await_builds.sh 330
-  elif [ "${BUILDS}" = 0 ]; then  # the 48-layer file alone, for `teamprobe` in the same command (skip: neither)
+  elif [ "${BUILDS}" = 0 ]; then  # the 48-layer file alone, for `teamprobe` in the same command
     python3 scripts/gpu_session.py --out /tmp/model48-out model > $RES/model.log 2>&1; sync
   fi
   ;;

@@ -114,7 +114,7 @@ def compile_all(out: str) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("step", choices=("lower", "compile"))
-    p.add_argument("--family", default="gate_up", help="a layer_kernel_bench.py family (not the q8 ones)")
+    p.add_argument("--family", default="gate_up", help="a layer_kernel_bench.py family")
     p.add_argument("--config", default="32,1,4,3,4", help="block_n, chunks a step, warps, stages, split-K")
     p.add_argument("--out", default="/tmp/sass")
     a = p.parse_args(argv)
