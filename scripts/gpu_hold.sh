@@ -29,11 +29,16 @@
 #           layer's GEMV launch configs (layer_kernel_bench.py: the later calls run under its
 #           winners, BLOOMERY_GEMV_TUNED, unless TUNED=0; LKB=0 skips it, ATTN=0 the attention
 #           bench) and the prefill expert GEMM's tiles at 512 tokens (moe_prefill_bench.py)
+#   q8      issue 7's integer dot products with the Q8_1 rounding inside the launches (twenty-eighth
+#           session): the builds, those launches against the same on blocks rounded before them
+#           (q8_rounding_check.py: plain x must agree bit for bit), the decode layer's launches as picked (layer_kernel_bench.py
+#           --current-only: planes, q8 rounding in-kernel, q8 after a rounding launch), our card
+#           bench under KERNELS (run it with KERNELS=pallas-q8), then llama-bench all on the card
 #   prefill the card bench with the prefill products on quant tiles with x in one bf16 part
 #           (pallas-bf16, the default) and in two (pallas-qtiles), time left pallas-q8 and the
 #           8-layer pp512 profile
 #
-#   run: bash scripts/gpu_hold.sh host|probe|team|teamprobe|targets|side|trace|prefill
+#   run: bash scripts/gpu_hold.sh host|probe|team|teamprobe|targets|side|trace|prefill|q8
 set -u
 call=$1
 OUT=${OUT:-/tmp/gpu_hold_out}
@@ -93,6 +98,17 @@ trace)
     --configs 32,64,4,2,q-bf16 16,64,4,2,q-bf16 64,64,4,2,q-bf16 32,128,4,2,q-bf16 32,64,8,2,q-bf16 \
     32,64,4,3,q-bf16 32,64,4,2,q-bf16x2 > "$RES/moe_prefill_T512.jsonl" 2>&1
   grep -h '"config"' "$RES/moe_prefill_T512.jsonl" | cut -c1-160
+  ;;
+q8)
+  bash scripts/start_builds.sh
+  taskset -c 13-15 timeout 120 python3 scripts/q8_rounding_check.py --json "$RES/q8_rounding_check.json" > "$RES/q8_rounding_check.txt" 2>&1
+  echo "q8_rounding_check rc=$?"; cut -c1-150 "$RES/q8_rounding_check.txt" | grep -v Warning
+  taskset -c 13-15 timeout 220 python3 scripts/layer_kernel_bench.py --current-only --budget-s 200 --json "$RES/layer_kernels.json" \
+    --families ${LKB_FAMILIES:-gate_up,gate_up_q8,gate_up_q8_pre,down,down_q8,down_q8_pre,qkv,qkv_q8} > "$RES/layer_kernels.txt" 2>&1
+  cut -c1-100 "$RES/layer_kernels.txt"
+  pack
+  card_beside_llamacpp
+  python3 scripts/gpu_session.py --out $RES compare
   ;;
 side)
   card_beside_llamacpp

@@ -9,10 +9,14 @@ of ``GemvConfig`` variants, the first being what the code picks today (``pick_co
   down     ``moe_gemv(g, down, experts, up=u)``: Q6_K [128, 2048, 768], SwiGLU formed in-kernel
   down_q4k the same for a Q4_K down projection (half the layers of a Q4_K_M file)
   output   ``qgemv(x, output)``: Q6_K [151936, 2048]
-  gate_up_q8, down_q8, down_q4k_q8
-           the MoE families on integer dot products (``qgemv_q8``, weights in the "ggml" layout,
-           ``kernels=pallas-q8``), each timed with the Q8_1 rounding of its input that the step
-           makes before it (down: of ``silu(g) * u``), since that is a launch of its own
+  gate_up_q8, down_q8, down_q4k_q8, qkv_q8
+           the same launches on integer dot products (``qgemv_q8``, weights in the "ggml" layout,
+           ``kernels=pallas-q8``) as the step makes them: on float x, each program rounding its
+           own blocks to Q8_1 (down: of SwiGLU formed from gate and up side by side; q/k/v: of
+           the normed x)
+  gate_up_q8_pre, down_q8_pre
+           the twentieth session's form: a Q8_1 rounding launch before the launch (down: of
+           ``silu(g) * u``), timed together
 
 Timing: one jitted call makes the launch R times back to back, each on its own weight copy (the
 dense families, enough copies to outgrow the 60 MB L2) or its own set of 8 random experts (the
@@ -51,7 +55,7 @@ from bloomery_jax.ops.experts import swiglu  # noqa: E402
 from bloomery_jax.ops.qmatmul import interpret_kernels  # noqa: E402
 from bloomery_jax.pallas.moe_gemv import moe_gemv, moe_gemv_many  # noqa: E402
 from bloomery_jax.pallas.qgemv import qgemv, qgemv_many  # noqa: E402
-from bloomery_jax.pallas.qgemv_q8 import moe_gemv_q8, moe_gemv_q8_many  # noqa: E402
+from bloomery_jax.pallas.qgemv_q8 import moe_gemv_q8, moe_gemv_q8_many, qgemv_q8_many  # noqa: E402
 from bloomery_jax.pallas.qgemv_tuned import GemvConfig as C, pick_config, pick_many_config  # noqa: E402
 from bloomery_jax.quant.repack import repack  # noqa: E402
 from bloomery_jax.synth.blocks import random_blocks  # noqa: E402
@@ -80,7 +84,8 @@ SWEEPS = {
 # the q8 kernels take no chunks_per_step; around their default (32, -, 2, 3, 8)
 _Q8 = [C(32, 1, 2, 3, 4), C(32, 1, 4, 3, 4), C(32, 1, 4, 3, 2), C(16, 1, 2, 3, 4), C(64, 1, 4, 3, 2),
        C(64, 1, 4, 3, 4), C(32, 1, 2, 3, 1), C(16, 1, 1, 3, 8), C(32, 1, 4, 3, 1), C(64, 1, 8, 3, 1)]
-SWEEPS.update(gate_up_q8=_Q8, down_q8=_Q8, down_q4k_q8=_Q8)
+SWEEPS.update(gate_up_q8=_Q8, down_q8=_Q8, down_q4k_q8=_Q8, gate_up_q8_pre=_Q8, down_q8_pre=_Q8,
+              qkv_q8=[C(32, 1, 2, 3, 4), C(64, 1, 4, 3, 4), C(32, 1, 4, 3, 8), C(64, 1, 4, 3, 2), C(16, 1, 2, 3, 8)])
 
 
 def packed(qtype: T, shape: tuple, rng, layout: str = "planes"):
@@ -103,13 +108,15 @@ def family(name: str, dims: dict, rng, max_copies: int):
     file names it and as ``current_pick`` looks it up)."""
     d, k = dims["hidden"], dims["top_k"]
     x = jnp.asarray(rng.standard_normal((1, d)), jnp.float32)
-    if name in ("qkv", "output"):
-        if name == "qkv":
-            ws = (packed(T.Q4_K, (dims["q_rows"], d), rng), packed(T.Q4_K, (dims["kv_rows"], d), rng),
-                  packed(T.Q6_K, (dims["kv_rows"], d), rng))
+    if name in ("qkv", "qkv_q8", "output"):
+        if name.startswith("qkv"):
+            layout = "ggml" if name == "qkv_q8" else "planes"
+            ws = (packed(T.Q4_K, (dims["q_rows"], d), rng, layout), packed(T.Q4_K, (dims["kv_rows"], d), rng, layout),
+                  packed(T.Q6_K, (dims["kv_rows"], d), rng, layout))
             norm = jnp.asarray(rng.uniform(0.5, 2, d), jnp.float32)
-            key = ("many", "planes", [(T(w.qtype).name, w.shape[0]) for w in ws], d)
-            one = lambda cfg: lambda x, w: qgemv_many(x, w, norm=norm, eps=1e-6, config=cfg, interpret=INTERP)  # noqa: E731
+            key = ("many", "q8" if layout == "ggml" else "planes", [(T(w.qtype).name, w.shape[0]) for w in ws], d)
+            many = qgemv_q8_many if layout == "ggml" else qgemv_many
+            one = lambda cfg: lambda x, w: many(x, w, norm=norm, eps=1e-6, config=cfg, interpret=INTERP)  # noqa: E731
         else:
             ws = packed(T.Q6_K, (dims["vocab"], d), rng)
             key = ("single", "planes", "Q6_K", dims["vocab"], d)
@@ -124,18 +131,19 @@ def family(name: str, dims: dict, rng, max_copies: int):
     e, f_rows = dims["experts"], dims["ff"]
     n_sets = max(1, min(max_copies, 16))
     experts = [jnp.asarray(rng.permutation(e)[:k], jnp.int32) for _ in range(n_sets)]  # [P] each, one token
-    q8 = name.endswith("_q8")
+    pre = name.endswith("_pre")  # the Q8_1 rounding in a launch of its own first
+    q8 = name.endswith("_q8") or pre
     layout = "ggml" if q8 else "planes"
     if name.startswith("gate_up"):
         ws = (packed(T.Q4_K, (e, f_rows, d), rng, layout), packed(T.Q4_K, (e, f_rows, d), rng, layout))
         key = ("many", "q8" if q8 else "planes", [("Q4_K", f_rows)] * 2, d)
         nbytes = sum(w.nbytes for w in ws) // e * k
+        many = moe_gemv_q8_many if q8 else moe_gemv_many
+        first = quantize_q8_1 if pre else (lambda x: x)
 
         def launch(cfg):
-            if q8:
-                return jax.jit(lambda x, ws, sets: [moe_gemv_q8_many(quantize_q8_1(x), ws, ex, pairs_per_row=k, config=cfg,
-                                                                     interpret=INTERP) for ex in sets])
-            return jax.jit(lambda x, ws, sets: [moe_gemv_many(x, ws, ex, pairs_per_row=k, config=cfg, interpret=INTERP) for ex in sets])
+            return jax.jit(lambda x, ws, sets: [many(first(x), ws, ex, pairs_per_row=k, config=cfg, interpret=INTERP)
+                                                for ex in sets])
         return launch, (x, ws, experts), nbytes, key
     down_type = T.Q4_K if name.startswith("down_q4k") else T.Q6_K
     down = packed(down_type, (e, d, f_rows), rng, layout)
@@ -143,11 +151,15 @@ def family(name: str, dims: dict, rng, max_copies: int):
     key = ("single", "q8" if q8 else "planes", down_type.name, d, f_rows)
 
     def launch(cfg):
-        if q8:
+        if pre:
             return jax.jit(lambda g, u, w, sets: [(moe_gemv_q8(quantize_q8_1(swiglu(g, u)), w, ex, config=cfg, interpret=INTERP),)
                                                   for ex in sets])
+        if q8:  # gu: gate and up side by side, as moe_gemv_q8_many(..., joined=True) leaves them
+            return jax.jit(lambda gu, w, sets: [(moe_gemv_q8(gu, w, ex, swiglu_halves=True, config=cfg, interpret=INTERP),)
+                                                for ex in sets])
         return jax.jit(lambda g, u, w, sets: [(moe_gemv(g, w, ex, up=u, config=cfg, interpret=INTERP),) for ex in sets])
-    return launch, (g, u, down, experts), down.nbytes // e * k, key
+    x_side = (jnp.concatenate([g, u], axis=1),) if q8 and not pre else (g, u)
+    return launch, (*x_side, down, experts), down.nbytes // e * k, key
 
 
 def time_us(fn, args, launches: int, reps: int, min_total_s: float) -> tuple[float, list[float]]:

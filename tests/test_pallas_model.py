@@ -254,6 +254,39 @@ def test_decode_step_lowers_to_triton_for_h200(q4km, monkeypatch):
 
 
 @pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
+def test_q8_decode_step_lowers_to_triton_for_h200(q4km, monkeypatch):
+    """kernels=pallas-q8's one-token step for an H200: every quantized product a q8 launch that
+    rounds its own input to Q8_1 (q/k/v and gate/up with the norm, down with SwiGLU), so the
+    step makes no launch of the planes kernels and traces no ``quantize_q8_1``."""
+    import jax
+    import jax.numpy as jnp
+
+    from bloomery_jax.models import qwen3moe
+    from bloomery_jax.ops import actquant, experts, qmatmul
+    from triton_lowering import triton_kernels
+
+    model = load_model(q4km, kernels="pallas-q8", attention="pallas", routing="pallas")
+    compile_kernels(monkeypatch)
+
+    def no_rounding_launch(x):
+        raise AssertionError("the q8 step rounded activations outside its kernels")
+
+    for module in (actquant, experts, qmatmul):  # wherever the name is bound
+        if hasattr(module, "quantize_q8_1"):
+            monkeypatch.setattr(module, "quantize_q8_1", no_rounding_launch)
+    cache = qwen3moe.init_cache(model.cfg, 1, 64)
+    step = lambda params, tokens, positions, cache, placement: qwen3moe.forward(  # noqa: E731
+        params, model.cfg, tokens, positions, cache, placement)
+    built = triton_kernels(monkeypatch, step, model.params, jnp.zeros((1, 1), jnp.int32), jnp.full((1, 1), 5, jnp.int32),
+                           cache, model.placement)
+    names = {name for name, _, _ in built}
+    assert {"qgemv_q8_many", "decode_qk_prep", "moe_gemv_q8_many"} <= names, names
+    assert any(n.startswith("moe_gemv_q8_q") for n in names) and any(n.startswith("qgemv_q8_q") for n in names), names
+    assert not any(n in ("qgemv_many", "moe_gemv_many") or n.startswith(("moe_gemv_q4", "moe_gemv_q6")) for n in names)
+    assert all(cc == 90 and ok for _, cc, ok in built)
+
+
+@pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
 def test_decode_block_lowers_graph_ready_for_h200(q4km, monkeypatch):
     """A decode block of the GPU configuration (the engine's ``lax.scan`` of steps, each with the
     GPU's sampler) lowered for an H200: the loop's body has no sort and no conditional, which

@@ -31,14 +31,15 @@ from triton_lowering import triton_kernels
 CFG = GemvConfig(16, 1, 4, 3, 2)  # 2 row tiles of 16 at N=32, two programs per tile's K range
 
 
-def ratios(y, xa, w64, mag_w, qtype, k, cfg):
-    """|y - y_f64| / bound for every output (rows of x against rows of w64 [R, N, K] or [N, K])."""
+def ratios(y, xa, w64, mag_w, qtype, k, cfg, extra=0.0):
+    """|y - y_f64| / bound for every output (rows of x against rows of w64 [R, N, K] or [N, K]);
+    ``extra``: an allowance added to each output's bound (``_flip_allowance``)."""
     xv = np.asarray(xa.values(), np.float64)
     if w64.ndim == 2:
         exact, mag = xv @ w64.T, np.abs(xv) @ mag_w.T
     else:
         exact, mag = np.einsum("pk,pnk->pn", xv, w64), np.einsum("pk,pnk->pn", np.abs(xv), mag_w)
-    return np.abs(np.asarray(y, np.float64) - exact) / (1.01 * rounding_depth(qtype, k, cfg) * U * mag)
+    return np.abs(np.asarray(y, np.float64) - exact) / (1.01 * rounding_depth(qtype, k, cfg) * U * mag + extra)
 
 
 @pytest.mark.parametrize("qtype", PACKABLE, ids=lambda t: t.name)
@@ -222,3 +223,179 @@ def test_many_lowers_to_triton_for_h200(monkeypatch):
     experts = jax.ShapeDtypeStruct((8,), jnp.int32)  # the decode step's call: one token, its 8 pairs
     assert triton_kernels(monkeypatch, lambda x, ws, e: moe_gemv_q8_many(x, ws, e, pairs_per_row=8),
                           quantize_q8_1(jnp.zeros((1, 2048))), gu, experts) == [("moe_gemv_q8_many", 90, True)]
+
+
+# ---- float x rounded in-kernel (_RoundingRows): no rounding launch before the GEMV ----
+
+
+def _kernel_blocks(x):
+    """``_RoundingRows``' blocks of float x ``[R, K]`` as the Q8Act fields (qs, d, sums)."""
+    from jax.experimental import pallas as pl
+
+    from bloomery_jax.pallas.qgemv_q8 import _RefRows, _RoundingRows
+
+    rows, k = x.shape
+
+    def kernel(x_ref, words_ref, meta_ref):
+        _RoundingRows(_RefRows(x_ref), words_ref, meta_ref, rows, interpret=True).prepare(0, k // 32)
+
+    words, meta = pl.pallas_call(kernel, out_shape=[jax.ShapeDtypeStruct((rows, k // 32, 8), jnp.int32)] * 2,
+                                 interpret=True)(x.reshape(rows, -1, 32))
+    d = jax.lax.bitcast_convert_type(meta[:, :, 0], jnp.float32)
+    return words.reshape(rows, -1), d, meta[:, :, 1:3].reshape(rows, -1)
+
+
+def test_in_kernel_rounding_is_quantize_q8_1():
+    """Every field of every block, bit for bit: zero blocks, exact halves (roundf takes them away
+    from zero, where jnp.round would go to even: 2.5 -> 3, -3.5 -> -4), signs, tiny and large."""
+    rng = np.random.default_rng(70)
+    x = rng.standard_normal((3, 256)).astype(np.float32)
+    x[0, :32] = 0.0
+    x[1, 32:64] = np.arange(32) - 15.5
+    x[1, 64:96] = 0.0
+    x[1, 64:70] = [127.0, 2.5, -3.5, 0.5, -0.5, 1.5]  # amax 127: d = 1, x / d = x exactly
+    x[2, :32] *= 1e-30
+    x[2, 32:64] *= 1e30
+    got = _kernel_blocks(jnp.asarray(x))
+    want = quantize_q8_1(jnp.asarray(x))
+    for g, w in zip(got, (want.qs, want.d, want.sums)):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    quants = np.asarray(jax.lax.bitcast_convert_type(got[0][1, 16:18], jnp.int8)).ravel()  # block 2's first 8
+    assert list(quants[:6]) == [127, 3, -4, 1, -1, 2]
+
+
+def _flip_allowance(xf, w64):
+    """Extra error per output for quants that may round the other way when x's last bits differ
+    from the reference's (the in-kernel norm or SwiGLU): each element whose x/d lies within
+    1e-3 of a half may move by one quant, i.e. by d * |w|. xf: the reference's float x [P, K];
+    w64: [P, N, K] or [N, K]."""
+    xf = np.asarray(xf)
+    b = xf.reshape(*xf.shape[:-1], -1, 32).astype(np.float64)
+    d = np.abs(b).max(-1, keepdims=True) / 127
+    v = np.divide(b, d, out=np.zeros_like(b), where=d > 0)
+    at_risk = (np.abs(np.abs(v - np.floor(v)) - 0.5) < 1e-3) * d  # [P, K/32, 32]: d where a flip may occur
+    at_risk = at_risk.reshape(xf.shape)
+    w = np.abs(w64)
+    return at_risk @ w.T if w.ndim == 2 else np.einsum("pk,pnk->pn", at_risk, w)
+
+
+@pytest.mark.parametrize("qtype", PACKABLE, ids=lambda t: t.name)
+def test_float_x_within_the_rounded_bound(qtype):
+    """qgemv_q8 and moe_gemv_q8 on float x: the bound of test_matches_reference against the float64
+    product of quantize_q8_1(x) (the blocks are the same; only the kernel's float32 sums may
+    associate differently)."""
+    rng = np.random.default_rng(int(qtype) + 80)
+    n, k = 32, 512
+    raw = weight(qtype, n, k, rng)
+    pw = repack(raw, qtype, (n, k), "ggml")
+    x = jnp.asarray(rng.standard_normal((2, k)), jnp.float32)
+    w64 = np.asarray(dequantize(raw, qtype, (n, k)), np.float64)
+    mag = np.asarray(scale_magnitudes(pw, stored_quants=True), np.float64)
+    xa = quantize_q8_1(x)
+    y = qgemv_q8(x, pw, config=CFG, interpret=True)
+    assert ratios(y, xa, w64, mag, qtype, k, CFG).max() <= 1.0
+    assert ratios(y, xa, w64[::-1], mag[::-1], qtype, k, CFG).max() > 1.0
+    stacked = repack(np.stack([raw, raw[::-1]]), qtype, (2, n, k), "ggml")
+    experts = jnp.asarray([1, 0], jnp.int32)
+    y = moe_gemv_q8(x, stacked, experts, config=CFG, interpret=True)
+    w_pairs, mag_pairs = np.stack([w64[::-1], w64]), np.stack([mag[::-1], mag])
+    assert ratios(y, xa, w_pairs, mag_pairs, qtype, k, CFG).max() <= 1.0
+    assert ratios(y, xa, w_pairs[::-1], mag_pairs[::-1], qtype, k, CFG).max() > 1.0
+
+
+def test_normed_x_rounded_in_kernel():
+    """qgemv_q8_many and moe_gemv_q8_many with the RMS norm formed in-kernel: within the bound
+    against quantize_q8_1(rms_norm(x)) plus one quant for each element near a rounding half."""
+    from bloomery_jax.ops.norms import rms_norm
+    from bloomery_jax.pallas.qgemv_q8 import moe_gemv_q8_many, qgemv_q8_many
+
+    rng = np.random.default_rng(71)
+    k, e = 512, 3
+    x = jnp.asarray(rng.standard_normal((2, k)) * 3, jnp.float32)
+    nw = jnp.asarray(rng.uniform(0.5, 1.5, k), jnp.float32)
+    xf = rms_norm(x, nw, 1e-6)
+    xa = quantize_q8_1(xf)
+    cfg = GemvConfig(split_k=8)
+    shapes = [(T.Q4_K, 64), (T.Q6_K, 32)]
+    raws = [weight(q, n, k, rng) for q, n in shapes]
+    ws = tuple(repack(r, q, (n, k), "ggml") for r, (q, n) in zip(raws, shapes))
+    for y, w, raw, (q, n) in zip(qgemv_q8_many(x, ws, norm=nw, eps=1e-6, interpret=True), ws, raws, shapes):
+        w64 = np.asarray(dequantize(raw, q, (n, k)), np.float64)
+        mag = np.asarray(scale_magnitudes(w, stored_quants=True), np.float64)
+        assert ratios(y, xa, w64, mag, q, k, cfg, _flip_allowance(xf, w64)).max() <= 1.0
+        assert ratios(y, xa, w64[::-1], mag[::-1], q, k, cfg, _flip_allowance(xf, w64[::-1])).max() > 1.0
+    raws = [np.stack([weight(T.Q4_K, 32, k, rng) for _ in range(e)]) for _ in range(2)]
+    ws = tuple(repack(r, T.Q4_K, (e, 32, k), "ggml") for r in raws)
+    experts = jnp.asarray(rng.integers(0, e, 4), jnp.int32)
+    ex = np.asarray(experts)
+    xf_pairs, xa_pairs = jax.tree.map(lambda a: jnp.repeat(a, 2, axis=0), (xf, xa))  # two pairs a token
+    for y, w, raw in zip(moe_gemv_q8_many(x, ws, experts, pairs_per_row=2, norm=nw, eps=1e-6, interpret=True), ws, raws):
+        w64 = np.asarray(dequantize(raw, T.Q4_K, (e, 32, k)), np.float64)[ex]
+        mag = np.asarray(scale_magnitudes(w, stored_quants=True), np.float64)[ex]
+        assert ratios(y, xa_pairs, w64, mag, T.Q4_K, k, cfg, _flip_allowance(xf_pairs, w64)).max() <= 1.0
+        wrong = (ex + 1) % e  # another expert's weights fail
+        w_wrong = np.asarray(dequantize(raw, T.Q4_K, (e, 32, k)), np.float64)[wrong]
+        assert ratios(y, xa_pairs, w_wrong, mag, T.Q4_K, k, cfg, _flip_allowance(xf_pairs, w_wrong)).max() > 1.0
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_swiglu_halves_rounded_in_kernel(qtype):
+    """moe_gemv_q8(..., swiglu_halves=True) on gate and up side by side: within the bound against
+    quantize_q8_1(swiglu(gate, up)), plus one quant for each element near a rounding half (the
+    kernel's exponential is not XLA's)."""
+    from bloomery_jax.ops.experts import swiglu
+
+    rng = np.random.default_rng(int(qtype) + 90)
+    e, n, k, pairs = 3, 32, 256, 4
+    raw = np.stack([weight(qtype, n, k, rng) for _ in range(e)])
+    pw = repack(raw, qtype, (e, n, k), "ggml")
+    gu = jnp.asarray(rng.standard_normal((pairs, 2 * k)) * 2, jnp.float32)  # [P, 2K]: gate | up
+    h = swiglu(gu[:, :k], gu[:, k:])
+    xa = quantize_q8_1(h)
+    experts = jnp.asarray(rng.integers(0, e, pairs), jnp.int32)
+    ex = np.asarray(experts)
+    y = moe_gemv_q8(gu, pw, experts, swiglu_halves=True, config=CFG, interpret=True)
+    w64 = np.asarray(dequantize(raw, qtype, (e, n, k)), np.float64)
+    mag = np.asarray(scale_magnitudes(pw, stored_quants=True), np.float64)
+    assert ratios(y, xa, w64[ex], mag[ex], qtype, k, CFG, _flip_allowance(h, w64[ex])).max() <= 1.0
+    wrong = (ex + 1) % e
+    assert ratios(y, xa, w64[wrong], mag[ex], qtype, k, CFG, _flip_allowance(h, w64[wrong])).max() > 1.0
+
+
+def test_float_x_bad_inputs_raise():
+    from bloomery_jax.pallas.qgemv_q8 import qgemv_q8_many
+
+    rng = np.random.default_rng(2)
+    ggml = repack(weight(T.Q4_K, 32, 256, rng), T.Q4_K, (32, 256), "ggml")
+    with pytest.raises(ValueError, match="activations"):
+        qgemv_q8(jnp.zeros((1, 512)), ggml, interpret=True)
+    with pytest.raises(ValueError, match="norm must be"):
+        qgemv_q8_many(jnp.zeros((1, 256)), (ggml,), norm=jnp.ones(128), interpret=True)
+    with pytest.raises(ValueError, match="formed from float x"):
+        qgemv_q8_many(quantize_q8_1(jnp.zeros((1, 256))), (ggml,), norm=jnp.ones(256), interpret=True)
+
+
+@pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
+def test_float_x_lowers_to_triton_for_h200(monkeypatch):
+    """The decode layer's four q8 launches on float x (rounding, norm and SwiGLU in-kernel, the
+    division as inline PTX) verify for sm_90: q/k/v with the norm, o, gate/up with the norm and
+    the token's 8 pairs, down on gate and up side by side."""
+    from bloomery_jax.pallas.qgemv_q8 import moe_gemv_q8_many, qgemv_q8_many
+
+    rng = np.random.default_rng(0)
+    x, norm = jax.ShapeDtypeStruct((1, 2048), jnp.float32), jax.ShapeDtypeStruct((2048,), jnp.float32)
+    qkv = tuple(repack(weight(q, n, 2048, rng), q, (n, 2048), "ggml") for q, n in [(T.Q4_K, 4096), (T.Q4_K, 512), (T.Q6_K, 512)])
+    assert triton_kernels(monkeypatch, lambda x, ws, nw: qgemv_q8_many(x, ws, norm=nw, eps=1e-6, partials=True),
+                          x, qkv, norm) == [("qgemv_q8_many", 90, True)]
+    o = repack(weight(T.Q4_K, 2048, 4096, rng), T.Q4_K, (2048, 4096), "ggml")
+    assert triton_kernels(monkeypatch, lambda x, w: qgemv_q8(x, w), jax.ShapeDtypeStruct((1, 4096), jnp.float32), o) == [
+        ("qgemv_q8_q4_k", 90, True)]
+    gu = tuple(repack(np.stack([weight(T.Q4_K, 768, 2048, rng) for _ in range(2)]), T.Q4_K, (2, 768, 2048), "ggml")
+               for _ in range(2))
+    experts = jax.ShapeDtypeStruct((8,), jnp.int32)
+    assert triton_kernels(monkeypatch, lambda x, ws, e, nw: moe_gemv_q8_many(x, ws, e, pairs_per_row=8, norm=nw, eps=1e-6,
+                                                                             joined=True),
+                          x, gu, experts, norm) == [("moe_gemv_q8_many", 90, True)]
+    down = repack(np.stack([weight(T.Q6_K, 2048, 768, rng) for _ in range(2)]), T.Q6_K, (2, 2048, 768), "ggml")
+    assert triton_kernels(monkeypatch, lambda h, w, e: moe_gemv_q8(h, w, e, swiglu_halves=True),
+                          jax.ShapeDtypeStruct((8, 1536), jnp.float32), down, experts) == [("moe_gemv_q8_q6_k", 90, True)]

@@ -29,7 +29,7 @@ from ..pallas.moe_gemm import moe_gemm, pick_gemm_config, plan_tiles, tiles_roun
 from ..pallas.moe_gemv import moe_gemv, moe_gemv_many
 from ..pallas.qgemv_q8 import moe_gemv_q8, moe_gemv_q8_many
 from ..quant.repack import PackedWeight, repack_on_device
-from .actquant import quantize_q8_1, round_activations
+from .actquant import round_activations
 from .norms import rms_norm
 from .qmatmul import as_f32, interpret_kernels, takes_q8, weight_qtype
 
@@ -127,17 +127,15 @@ def _moe_swiglu_gemv(x, experts, weights, gate, up, down, act_rounding, norm):
     flat = experts.reshape(N * k)  # [P] pairs, token-major
     x = x.astype(jnp.float32)
     # The gate/up kernels read each token's row for its k pairs (pairs_per_row): no [P, D] copy.
-    if act_rounding == "none":  # gate and up read the same x: one launch, the norm formed in it
+    q8 = takes_q8(gate, act_rounding)  # integer dot products on Q8_1 rows, rounded in the launches
+    if act_rounding == "none" or q8:  # gate and up read the same x: one launch, the norm formed in it
+        many, one = (moe_gemv_q8_many, moe_gemv_q8) if q8 else (moe_gemv_many, moe_gemv)
         kw = {} if norm is None else dict(norm=norm[0], eps=float(norm[1]))
-        gu = moe_gemv_many(x, (gate, up), flat, pairs_per_row=k, joined=True, **kw, interpret=interpret)  # [P, 2F]
-        y = moe_gemv(gu, down, flat, swiglu_halves=True, interpret=interpret)  # swiglu formed where down reads it
+        gu = many(x, (gate, up), flat, pairs_per_row=k, joined=True, **kw, interpret=interpret)  # [P, 2F]
+        y = one(gu, down, flat, swiglu_halves=True, interpret=interpret)  # swiglu formed where down reads it
         return _weighted_sum(y.reshape(N, k, -1), weights)  # [N, k, D] -> [N, D]
     if norm is not None:
         x = rms_norm(x, *norm)
-    if takes_q8(gate, act_rounding):  # integer dot products on Q8_1 rows
-        h = swiglu(*moe_gemv_q8_many(quantize_q8_1(x), (gate, up), flat, pairs_per_row=k, interpret=interpret))
-        y = moe_gemv_q8(quantize_q8_1(h), down, flat, interpret=interpret)  # [P, D]
-        return _weighted_sum(y.reshape(N, k, -1), weights)
     xg = round_activations(x, weight_qtype(gate), act_rounding)  # [N, D]
     xu = round_activations(x, weight_qtype(up), act_rounding)
     h = swiglu(moe_gemv(xg, gate, flat, pairs_per_row=k, interpret=interpret),

@@ -27,7 +27,7 @@ from ..pallas.qgemv import qgemv, qgemv_many
 from ..pallas.qgemv_q8 import qgemv_q8, qgemv_q8_many
 from ..quant import QTensor, dequantize
 from ..quant.repack import PackedWeight, dequantize_packed
-from .actquant import quantize_q8_1, round_activations
+from .actquant import round_activations
 from .norms import rms_norm
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -64,8 +64,8 @@ def qmatmul(x: jax.Array, w, act_rounding: str = "none", precision: str = "tf32x
     Returns:
       float32 ``[..., N]``.
     """
-    if takes_q8(w, act_rounding) and x.size // x.shape[-1] <= GEMV_MAX_ROWS:
-        rows = quantize_q8_1(x.reshape(-1, x.shape[-1]))  # [R, K] as Q8_1 blocks
+    if takes_q8(w, act_rounding) and x.size // x.shape[-1] <= GEMV_MAX_ROWS:  # x rounded to Q8_1 in-kernel
+        rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)  # [R, K]
         return qgemv_q8(rows, w, interpret=interpret_kernels()).reshape(*x.shape[:-1], w.shape[0])
     quant_tiles = isinstance(w, PackedWeight) and x.size // x.shape[-1] > GEMV_MAX_ROWS and precision in QUANT_TILES
     x = x.astype(jnp.float32)
@@ -96,19 +96,20 @@ def qmatmul_many(x: jax.Array, ws, act_rounding: str = "none", norm: tuple | Non
     (``qgemv_many(..., partials=True)``), S = 1 elsewhere.
     """
     rows = x.reshape(-1, x.shape[-1])  # [R, K]
-    one_f32_launch = (act_rounding == "none" and rows.shape[0] <= GEMV_MAX_ROWS
-                      and all(isinstance(w, PackedWeight) and w.layout in ("planes", "ggml") for w in ws))
-    if one_f32_launch:
+    one_launch = None
+    if rows.shape[0] <= GEMV_MAX_ROWS:
+        if act_rounding == "none" and all(isinstance(w, PackedWeight) and w.layout in ("planes", "ggml") for w in ws):
+            one_launch = qgemv_many
+        elif all(takes_q8(w, act_rounding) for w in ws):  # x rounded to Q8_1 in the launch
+            one_launch = qgemv_q8_many
+    if one_launch is not None:
         kw = {} if norm is None else dict(norm=norm[0], eps=float(norm[1]))
-        ys = qgemv_many(rows.astype(jnp.float32), tuple(ws), **kw, partials=partials, interpret=interpret_kernels())
+        ys = one_launch(rows.astype(jnp.float32), tuple(ws), **kw, partials=partials, interpret=interpret_kernels())
         return ys if partials else tuple(y.reshape(*x.shape[:-1], y.shape[-1]) for y in ys)
     if norm is not None:
         x = rms_norm(x, *norm)
         rows = x.reshape(-1, x.shape[-1])
-    if rows.shape[0] <= GEMV_MAX_ROWS and all(takes_q8(w, act_rounding) for w in ws):  # one rounding for all
-        ys = qgemv_q8_many(quantize_q8_1(rows), tuple(ws), interpret=interpret_kernels())
-    else:
-        ys = tuple(qmatmul(rows, w, act_rounding, precision) for w in ws)  # [R, N_j] each
+    ys = tuple(qmatmul(rows, w, act_rounding, precision) for w in ws)  # [R, N_j] each
     if partials:
         return jnp.concatenate(ys, axis=-1)[None]  # [1, R, sum N_j]
     return tuple(y.reshape(*x.shape[:-1], y.shape[-1]) for y in ys)

@@ -32,7 +32,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from ..quant.repack import PackedWeight
 from .qgemv import (F32, _accumulate, _launch, _NormedRows, _weight_fields, accumulate_part, add_partials,
-                    format_of, many_operands, run_parts, tuning_layout)
+                    format_of, many_operands, row_index, run_parts, tuning_layout)
 from .qgemv_tuned import GemvConfig, pick_config
 
 __all__ = ["GemvConfig", "moe_gemv", "moe_gemv_many"]
@@ -53,17 +53,19 @@ class _ExpertView:
 
 
 class _SwigluRows:
-    """``view[b, cols]`` is ``silu(gate[b, cols]) * up[b, cols + offset]`` in float32: a pair's
-    hidden vector formed where the down projection reads it, so it needs no [P, F] array of its
-    own (``offset``: where up starts in its ref; the ref may be gate's own, gate and up side by side)."""
+    """``view[b, cols, *rest]`` is ``silu(gate[b, cols, *rest]) * up[b, cols + offset, *rest]`` in
+    float32: a pair's hidden vector formed where the down projection reads it, so it needs no
+    [P, F] array of its own (``offset``: where up starts along the ref's second axis; the ref may
+    be gate's own, gate and up side by side)."""
 
     def __init__(self, gate_ref, up_ref, offset: int = 0):
         self.gate, self.up, self.offset = gate_ref, up_ref, offset
 
     def __getitem__(self, idx):
-        b, cols = idx
-        g = self.gate[b, cols].astype(F32)
-        return g / (1.0 + jnp.exp(-g)) * self.up[b, pl.ds(cols.start + self.offset, cols.size)].astype(F32)
+        b, cols, *rest = idx
+        g = self.gate[(row_index(b), cols, *rest)].astype(F32)
+        up = self.up[(row_index(b), pl.ds(cols.start + self.offset, cols.size, cols.stride), *rest)]
+        return g / (1.0 + jnp.exp(-g)) * up.astype(F32)
 
 
 def expert_index(e_ref, n_experts: int):

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -439,21 +440,28 @@ def accumulate_part(x_ref, store, *, bn: int, nrows: int):
 
 
 class _NormedRows:
-    """``view[b, cols]`` is row b of x RMS-normalised and scaled by the norm weight, as
+    """``view[b, *idx]`` is row b of x RMS-normalised and scaled by the norm weight, as
     ``ops.norms.rms_norm``: the whole row's mean square is taken once per program (x is one
-    [B, K] block), so no normalised copy of x is written first."""
+    [B, K] block, or [B, K/32, 32] for ``qgemv_q8``, the weight shaped as a row), so no
+    normalised copy of x is written first."""
 
     def __init__(self, x_ref, w_ref, eps: float, nrows: int):
         self.x, self.w = x_ref, w_ref
-        k = x_ref.shape[1]
+        k = math.prod(x_ref.shape[1:])
         self.scales = []
         for b in range(nrows):
-            row = x_ref[b, :].astype(F32)  # [K]
+            row = x_ref[b].astype(F32)  # [K] or [K/32, 32]
             self.scales.append(1.0 / jnp.sqrt(jnp.sum(row * row) / k + jnp.float32(eps)))
 
     def __getitem__(self, idx):
-        b, cols = idx
-        return (self.x[b, cols].astype(F32) * self.scales[b]) * self.w[cols].astype(F32)
+        b, *rest = idx  # b an int: the row's scale; the read takes it as an array (see row_index)
+        return (self.x[(row_index(b), *rest)].astype(F32) * self.scales[b]) * self.w[tuple(rest)].astype(F32)
+
+
+def row_index(b: int) -> jax.Array:
+    """Row b as a ref index: an int32 array, because the interpreter turns a strided read
+    (``qgemv_q8``'s rounding) into a gather, which takes no Python int."""
+    return jnp.int32(b)
 
 
 def _many_kernel(x_ref, *refs, parts, nrows: int, bn: int, eps: float | None):

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,8 +43,9 @@ from jax.experimental.pallas import triton as plgpu
 
 from ..ops.actquant import Q8Act
 from ..quant.repack import PackedWeight
-from .moe_gemv import _ExpertView, _operands, expert_index
-from .qgemv import _k4_scales, _largest_divisor, _q6_scale, _weight_operands, add_partials, many_operands, run_parts
+from .moe_gemv import _ExpertView, _operands, _SwigluRows, expert_index
+from .qgemv import (_k4_scales, _largest_divisor, _NormedRows, _q6_scale, _weight_operands, add_partials, many_operands,
+                    row_index, run_parts)
 from .qgemv_tuned import GemvConfig, pick_config
 
 F32 = jnp.float32
@@ -72,34 +74,129 @@ def _i2f(i: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(i + I2F_MAGIC, F32) - I2F_OFFSET
 
 
+class _XBlock(NamedTuple):
+    """One row's 32-element block of x as the dot products take it."""
+
+    words: jax.Array  # int32 [BN, 8]: the block's quants, four a word, broadcast over the tile's rows
+    d: jax.Array  # float32 scalar: its scale (f16-rounded)
+    lo: jax.Array  # int32 scalar: sum of quants 0-15 (the mins, Q6_K's -32)
+    hi: jax.Array  # int32 scalar: sum of quants 16-31
+
+
 @dataclasses.dataclass(frozen=True)
 class _Rows:
-    """The x side for one program: refs ``qs [R, K/4]``, ``d [R, K/32]``, ``sums [R, K/16]``; rows 0..n-1."""
+    """x rounded before the launch, a :class:`Q8Act`: refs ``qs [R, K/32, 8]`` (four quants a
+    word), ``d [R, K/32]``, ``sums [R, K/32, 2]`` (each half block's quant sum); rows 0..n-1."""
 
     qs: object
     d: object
     sums: object
     n: int
 
+    def block(self, r: int, block, bn: int) -> _XBlock:
+        words = jnp.broadcast_to(self.qs[r, block, :][None, :], (bn, 8))
+        return _XBlock(words, self.d[r, block], self.sums[r, block, 0], self.sums[r, block, 1])
 
-def _x_words(xs: _Rows, b: int, block: int, bn: int):
-    """Row b's 8 words of x block ``block`` (32 elements), broadcast to ``[BN, 8]``."""
-    return jnp.broadcast_to(xs.qs[b, pl.ds(block * 8, 8)][None, :], (bn, 8))
-
-
-def _block_sum(xs: _Rows, b: int, block: int):
-    """Row b's integer sum of the quants of x block ``block`` (two half-block sums)."""
-    return xs.sums[b, 2 * block] + xs.sums[b, 2 * block + 1]
+    def prepare(self, first_block, n_blocks: int) -> None:
+        """Nothing to do: the blocks were rounded before the launch."""
 
 
-def _k4_chunk(c, refs, xs: _Rows, accs, macc, *, bn, with_qh, interpret):
+def _div_rn(a: jax.Array, b: jax.Array, interpret: bool) -> jax.Array:
+    """``a / b`` rounded to nearest, as XLA divides: Triton lowers float32 division to the
+    approximate ``div.full.f32``, which would round some quants differently."""
+    if interpret:
+        return a / b
+    (out,) = plgpu.elementwise_inline_asm("div.rn.f32 $0, $1, $2;", args=[a, b], constraints="=f,f,f", pack=1,
+                                          result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, F32)])
+    return out
+
+
+def _round_half_away(v: jax.Array) -> jax.Array:
+    """C's ``roundf`` (halves away from zero), exact: ``floor(|v|)`` and ``|v| - floor(|v|)`` round nothing."""
+    a = jnp.abs(v)
+    whole = jnp.floor(a)
+    r = whole + jnp.where(a - whole >= 0.5, 1.0, 0.0)
+    return jnp.where(v < 0, -r, r)
+
+
+class _RefRows:
+    """``view[b, *idx]`` reads ``ref[b, *idx]``, the row taken as an array (``qgemv.row_index``)."""
+
+    def __init__(self, ref):
+        self.ref = ref
+
+    def __getitem__(self, idx):
+        b, *rest = idx
+        return self.ref[(row_index(b), *rest)]
+
+
+class _RoundingRows:
+    """x as floats, rounded to Q8_1 blocks in the launch: the blocks of
+    ``ops.actquant.quantize_q8_1``, bit for bit, with no launch of their own before the GEMV (four
+    a decode layer; they cost the twentieth session's pallas-q8 its gain).
+
+    Before each chunk's dot products, the program rounds that chunk's blocks of every row into
+    two scratch outputs that the caller drops, spread over its threads (one word each at a
+    chunk of 8 blocks and 64 threads), and waits at a barrier; the dot products then read them
+    back as they read pre-rounded blocks. Rounding each block where the dot products read it
+    would repeat it in every thread (a block is broadcast over the tile's rows): ~10x the SASS
+    of the dot products. Programs of other row tiles (and other pairs of the token) round the
+    same blocks and write the same bits to the same places: a benign race.
+
+    ``src[r, blocks, cols]``: row r of x as ``[K/32, 32]`` blocks (a ref, or a view forming the
+    row: ``_NormedRows``, ``_SwigluRows``), read four times with stride 4, so that element
+    4w + j of a block, byte j of its word w, lies in column w of read j and the words pack
+    without a reshape. Scratch: ``words [R, K/32, 8]``, and ``meta [R, K/32, 8]`` holding in
+    columns 0-2 the f32 bits of the block's scale and its two half-block quant sums (kept in the
+    words' layout: as [K/32] vectors each would cost a layout change through shared memory)."""
+
+    def __init__(self, src, words_ref, meta_ref, n: int, interpret: bool):
+        self.src, self.words, self.meta, self.n, self.interpret = src, words_ref, meta_ref, n, interpret
+
+    def block(self, r: int, block, bn: int) -> _XBlock:
+        words = jnp.broadcast_to(self.words[r, block, :][None, :], (bn, 8))
+        d = jax.lax.bitcast_convert_type(self.meta[r, block, 0], F32)
+        return _XBlock(words, d, self.meta[r, block, 1], self.meta[r, block, 2])
+
+    def prepare(self, first_block, n_blocks: int) -> None:
+        """Round blocks ``first_block .. + n_blocks`` of every row into the scratch."""
+        blocks = pl.ds(first_block, n_blocks)
+        col = jax.lax.broadcasted_iota(jnp.int32, (n_blocks, 8), 1)
+        for r in range(self.n):
+            xs = [self.src[r, blocks, pl.ds(j, 8, stride=4)].astype(F32) for j in range(4)]  # [nb, 8] each
+            amax = jnp.max(jnp.maximum(jnp.maximum(jnp.abs(xs[0]), jnp.abs(xs[1])),
+                                       jnp.maximum(jnp.abs(xs[2]), jnp.abs(xs[3]))), axis=1, keepdims=True)
+            amax = jnp.broadcast_to(amax, (n_blocks, 8))  # [nb, 8]: each thread its own block's
+            d = _div_rn(amax, jnp.full(amax.shape, 127.0, F32), self.interpret)
+            divisor = jnp.where(amax == 0, 1.0, d)  # an all-zero block: quants 0, not 0 / 0
+            qs = [_exact_int(_round_half_away(_div_rn(x, divisor, self.interpret))) for x in xs]
+            words = (qs[0] & 0xFF) | ((qs[1] & 0xFF) << 8) | ((qs[2] & 0xFF) << 16) | (qs[3] << 24)
+            per_word = qs[0] + qs[1] + qs[2] + qs[3]  # words 0-3 hold quants 0-15
+            lo = jnp.sum(jnp.where(col < 4, per_word, 0), axis=1, keepdims=True)  # [nb, 1]
+            hi = jnp.sum(per_word, axis=1, keepdims=True) - lo
+            d16 = jax.lax.bitcast_convert_type(d.astype(jnp.float16).astype(F32), jnp.int32)
+            self.words[r, blocks, :] = words
+            self.meta[r, blocks, :] = jnp.where(col == 0, d16, jnp.where(col == 1, lo, jnp.where(col == 2, hi, 0)))
+        if not self.interpret:  # every thread's blocks written before any thread reads them
+            plgpu.debug_barrier()
+
+
+def _exact_int(v: jax.Array) -> jax.Array:
+    """float32 holding an integer below 2^22 in magnitude -> int32, by :func:`_i2f`'s trick
+    backwards (``astype`` would clamp to the int32 range first: two more instructions)."""
+    return jax.lax.bitcast_convert_type(v + I2F_OFFSET, jnp.int32) - I2F_MAGIC
+
+
+def _k4_chunk(c, refs, xs, accs, macc, *, bn, with_qh, interpret):
     """Chunk c of a Q4_K/Q5_K row tile: sub-block pairs (2s, 2s+1) share the words 8s..8s+7."""
     qs_ref, sc_ref, dm_ref, *qh_ref = refs  # [BN, K/8] i32, [G, 3, BN] i32, [G, 2, BN] f16, [BN, K/32] i32
     scales = _k4_scales(c, sc_ref, dm_ref)  # sub-block t -> (d * sc, dmin * m), [BN] each
     if with_qh:
         qh = qh_ref[0][:, pl.ds(c * 8, 8)]  # [BN, 8]: bit t of byte l = 5th bit of sub-block t, element l
-    for s in range(4):
-        words = qs_ref[:, pl.ds(c * 32 + 8 * s, 8)]  # [BN, 8]: byte l holds element l of 2s (low), of 2s+1 (high)
+    # [BN, 8] each: byte l of word s holds element l of sub-block 2s (low nibble) and of 2s+1 (high)
+    chunk_words = [qs_ref[:, pl.ds(c * 32 + 8 * s, 8)] for s in range(4)]
+    xs.prepare(c * 8, 8)  # after the weight loads: they are in flight while x's blocks are rounded
+    for s, words in enumerate(chunk_words):
         for half in range(2):
             t = 2 * s + half  # sub-block
             q = (words >> (4 * half)) & LOW if half else words & LOW
@@ -108,47 +205,52 @@ def _k4_chunk(c, refs, xs: _Rows, accs, macc, *, bn, with_qh, interpret):
             dl, ml = scales(t)
             block = c * 8 + t
             for r in range(xs.n):
-                dx = xs.d[r, block]
-                accs[r] = accs[r] + _i2f(_dp4a(q, _x_words(xs, r, block, bn), interpret)) * (dl * dx)[:, None]
-                macc[r] = macc[r] + ml * (dx * _block_sum(xs, r, block).astype(F32))
+                xb = xs.block(r, block, bn)
+                accs[r] = accs[r] + _i2f(_dp4a(q, xb.words, interpret)) * (dl * xb.d)[:, None]
+                macc[r] = macc[r] + ml * (xb.d * (xb.lo + xb.hi).astype(F32))
     return accs, macc
 
 
-def _q6_k_chunk(c, refs, xs: _Rows, accs, macc, *, bn, interpret):
+def _q6_k_chunk(c, refs, xs, accs, macc, *, bn, interpret):
     """Chunk c of a Q6_K row tile: per 128-element half h and 32-element quarter j, eight words
     whose bytes hold 6-bit quants (q - 32 is the value) of two 16-element sub-blocks."""
     qs_ref, qh_ref, sc_ref, d_ref = refs  # [BN, K/8] i32, [BN, K/16] i32, [G, 4, BN] i32, [G, BN] f16
     d = d_ref[c, :].astype(F32)  # [BN]
     scw = [sc_ref[c, i, :] for i in range(4)]  # [BN] words of four int8 scales
     first_four = jax.lax.broadcasted_iota(jnp.int32, (1, 8), 1) < 4  # words 0-3: the quarter's first sub-block
-    for h in range(2):
-        hi = qh_ref[:, pl.ds(c * 16 + 8 * h, 8)]  # [BN, 8]: 2-bit field j of byte l = high bits of element 32j + l
+    # [BN, 8] each: of half h, 2-bit field j of byte l of his[h] = high bits of element 32j + l;
+    # the low nibbles of quarters j and j + 2 in lows[2h + j % 2]
+    his = [qh_ref[:, pl.ds(c * 16 + 8 * h, 8)] for h in range(2)]
+    lows = [qs_ref[:, pl.ds(c * 32 + 8 * i, 8)] for i in range(4)]
+    xs.prepare(c * 8, 8)  # after the weight loads, as in _k4_chunk
+    for h, hi in enumerate(his):
         for j in range(4):
-            low = qs_ref[:, pl.ds(c * 32 + 16 * h + 8 * (j % 2), 8)]  # [BN, 8]
+            low = lows[2 * h + j % 2]
             q = ((low >> (4 * (j // 2))) & LOW) | (((hi >> (2 * j)) & 0x03030303) << 4)  # bytes 0..63
             sub = 8 * h + 2 * j  # first of the quarter's two sub-blocks
             sa, sb = _q6_scale(scw, sub).astype(F32), _q6_scale(scw, sub + 1).astype(F32)  # exact
             block = c * 8 + 4 * h + j
             for r in range(xs.n):
-                dx = xs.d[r, block]
-                la, lb = d * sa * dx, d * sb * dx  # [BN]
+                xb = xs.block(r, block, bn)
+                la, lb = d * sa * xb.d, d * sb * xb.d  # [BN]
                 scale = jnp.where(first_four, la[:, None], lb[:, None])  # [BN, 8]
-                accs[r] = accs[r] + _i2f(_dp4a(q, _x_words(xs, r, block, bn), interpret)) * scale
+                accs[r] = accs[r] + _i2f(_dp4a(q, xb.words, interpret)) * scale
                 # the quants are stored + 32: take 32 * sum(q_x) of each sub-block back out
-                s_a, s_b = xs.sums[r, 2 * block].astype(F32), xs.sums[r, 2 * block + 1].astype(F32)
-                macc[r] = macc[r] + 32.0 * (la * s_a + lb * s_b)
+                macc[r] = macc[r] + 32.0 * (la * xb.lo.astype(F32) + lb * xb.hi.astype(F32))
     return accs, macc
 
 
-def _q8_0_chunk(c, refs, xs: _Rows, accs, macc, *, bn, interpret):
+def _q8_0_chunk(c, refs, xs, accs, macc, *, bn, interpret):
     """Chunk c (four blocks of 32) of a Q8_0 row tile."""
     qs_ref, d_ref = refs  # [BN, K/4] i32, [K/32, BN] f16
-    for p in range(4):
+    qs = [qs_ref[:, pl.ds((c * 4 + p) * 8, 8)] for p in range(4)]  # [BN, 8] each: signed bytes
+    ds = [d_ref[c * 4 + p, :].astype(F32) for p in range(4)]  # [BN] each
+    xs.prepare(c * 4, 4)  # after the weight loads, as in _k4_chunk
+    for p, (q, d) in enumerate(zip(qs, ds)):
         block = c * 4 + p
-        q = qs_ref[:, pl.ds(block * 8, 8)]  # [BN, 8]: signed bytes
-        d = d_ref[block, :].astype(F32)  # [BN]
         for r in range(xs.n):
-            accs[r] = accs[r] + _i2f(_dp4a(q, _x_words(xs, r, block, bn), interpret)) * (d * xs.d[r, block])[:, None]
+            xb = xs.block(r, block, bn)
+            accs[r] = accs[r] + _i2f(_dp4a(q, xb.words, interpret)) * (d * xb.d)[:, None]
     return accs, macc
 
 
@@ -183,7 +285,7 @@ def _launch(qtype, n: int, k: int, cfg: GemvConfig) -> tuple[int, int, int]:
     return bn, chunks // split, split
 
 
-def _body(xs: _Rows, w_refs, store, *, qtype, bn: int, per_program: int, interpret: bool, share=None):
+def _body(xs, w_refs, store, *, qtype, bn: int, per_program: int, interpret: bool, share=None):
     """One program: its chunks (those of split-K share ``share``, default ``pl.program_id(0)``),
     then ``store(r, y)`` for each row r of x."""
     body = functools.partial(CHUNKS[qtype][1], bn=bn, interpret=interpret)
@@ -199,31 +301,108 @@ def _body(xs: _Rows, w_refs, store, *, qtype, bn: int, per_program: int, interpr
         store(r, jnp.sum(accs[r], axis=1) - macc[r])
 
 
-def _dense_kernel(xq_ref, xd_ref, xs_ref, *refs, qtype, per_program: int, interpret: bool):
-    *w_refs, o_ref = refs  # o_ref [1, B, BN]
+@dataclasses.dataclass(frozen=True)
+class _XSource:
+    """How a launch's x arrives (static): already rounded (a :class:`Q8Act`: three refs), or as
+    floats (one ref) rounded in-kernel, these RMS-normed first (``eps``; the norm weight is a
+    second ref) or gate and up side by side to form SwiGLU from (``swiglu``)."""
 
-    def store(r, y):
-        o_ref[0, r, :] = y
+    rounded: bool
+    eps: float | None = None
+    swiglu: bool = False
 
-    _body(_Rows(xq_ref, xd_ref, xs_ref, xq_ref.shape[0]), w_refs, store, qtype=qtype, bn=o_ref.shape[2],
-          per_program=per_program, interpret=interpret)
+    def rows(self, refs, interpret: bool):
+        """(the program's rows of x, the weights' refs, the output ref ``[1, rows, BN]``) from the
+        kernel's refs: x's inputs, the weights', the output, and for float x three scratch outputs."""
+        if self.rounded:
+            *ins, out = refs
+            return _Rows(*ins[:3], out.shape[1]), ins[3:], out
+        *ins, out, words, meta = refs
+        n = out.shape[1]
+        if self.eps is not None:
+            src, ins = _NormedRows(ins[0], ins[1], self.eps, n), ins[2:]
+        elif self.swiglu:  # [1, 2K/32, 32]: up starts K/32 blocks in
+            src, ins = _SwigluRows(ins[0], ins[0], offset=ins[0].shape[1] // 2), ins[1:]
+        else:
+            src, ins = _RefRows(ins[0]), ins[1:]
+        return _RoundingRows(src, words, meta, n, interpret), ins, out
 
 
-def _x_specs(x: Q8Act, n_rows: int, first_row):
-    """BlockSpecs of the three x arrays: ``n_rows`` rows from ``first_row(*grid index)`` on."""
-    return [pl.BlockSpec((n_rows, a.shape[1]), lambda *g: (first_row(*g), 0)) for a in (x.qs, x.d, x.sums)]
+def _x_shape(x) -> tuple[int, int]:
+    """(rows, columns) of x, a Q8Act or a float array."""
+    return (x.qs.shape[0], x.qs.shape[1] * 4) if isinstance(x, Q8Act) else (x.shape[0], x.shape[1])
+
+
+@dataclasses.dataclass(frozen=True)
+class _XOperands:
+    """x's side of a launch: its source, its arrays and BlockSpecs (inputs), and for float x the
+    scratch outputs its blocks are rounded into (dropped after the launch)."""
+
+    source: _XSource
+    arrays: list
+    specs: list
+    scratch: list  # ShapeDtypeStructs
+    scratch_specs: list
+
+
+def _x_operands(x, name: str, k: int, n_rows: int, first_row, norm=None, eps: float = 0.0,
+                swiglu: bool = False) -> _XOperands:
+    """x for a launch of K = ``k``, as blocks of 32: each program reads ``n_rows`` rows from
+    ``first_row(*grid index)`` on; a float ``norm [K]`` is read whole by every program."""
+    rows, _ = _x_shape(x)
+    at_row = lambda *g: (first_row(*g), 0, 0)  # noqa: E731
+    block_arrays = lambda shapes: [pl.BlockSpec((n_rows, *s[1:]), at_row if len(s) == 3 else  # noqa: E731
+                                                lambda *g: (first_row(*g), 0)) for s in shapes]
+    if isinstance(x, Q8Act):
+        if norm is not None or swiglu:
+            raise ValueError(f"{name}: the norm and SwiGLU are formed from float x, not from rounded blocks")
+        arrays = [x.qs.reshape(rows, k // 32, 8), x.d, x.sums.reshape(rows, k // 32, 2)]
+        return _XOperands(_XSource(True), arrays, block_arrays([a.shape for a in arrays]), [], [])
+    blocks = x.reshape(rows, -1, 32)  # [R, K/32, 32] (SwiGLU: [R, 2K/32, 32])
+    arrays, specs = [blocks], block_arrays([blocks.shape])
+    if norm is not None:
+        arrays.append(norm.astype(F32).reshape(k // 32, 32))
+        specs.append(pl.BlockSpec((k // 32, 32), lambda *g: (0, 0)))
+    scratch = [jax.ShapeDtypeStruct((rows, k // 32, 8), jnp.int32)] * 2  # _RoundingRows' words and meta
+    source = _XSource(False, None if norm is None else float(eps), swiglu)
+    return _XOperands(source, arrays, specs, scratch, block_arrays([a.shape for a in scratch]))
+
+
+def _call(kernel, xo: _XOperands, *, y, y_spec, grid, w_specs, compiler_params, interpret: bool, name: str,
+          lead_specs=()):
+    """A q8 launch: inputs ``lead`` (the experts), x's, the weights'; outputs y, then x's scratch,
+    dropped. Returns ``f(lead, weights) -> y``."""
+    call = pl.pallas_call(kernel, out_shape=[y, *xo.scratch], grid=grid,
+                          in_specs=[*lead_specs, *xo.specs, *w_specs], out_specs=[y_spec, *xo.scratch_specs],
+                          compiler_params=compiler_params, interpret=interpret, name=name)
+    return lambda lead, weights: call(*lead, *xo.arrays, *weights)[0]
+
+
+def _check_norm(name: str, norm, k: int) -> None:
+    if norm is not None and norm.shape != (k,):
+        raise ValueError(f"{name}: norm must be [{k}], got {norm.shape}")
 
 
 _ALL_ROWS = lambda *g: 0  # dense: every program reads all B rows  # noqa: E731
 _PAIR_ROW = lambda s, p, i: p  # MoE: program (s, p, i) reads pair p's row  # noqa: E731
 
 
+def _dense_kernel(*refs, source: _XSource, qtype, per_program: int, interpret: bool):
+    xs, w_refs, o_ref = source.rows(refs, interpret)  # o_ref [1, B, BN]
+
+    def store(r, y):
+        o_ref[0, r, :] = y
+
+    _body(xs, w_refs, store, qtype=qtype, bn=o_ref.shape[2], per_program=per_program, interpret=interpret)
+
+
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def qgemv_q8(x: Q8Act, w: PackedWeight, *, config: GemvConfig | None = None, interpret: bool = False) -> jax.Array:
-    """``x.values() @ W^T`` for up to 8 activation rows, float32.
+def qgemv_q8(x, w: PackedWeight, *, config: GemvConfig | None = None, interpret: bool = False) -> jax.Array:
+    """``x @ W^T`` for up to 8 activation rows on integer dot products, float32.
 
     Args:
-      x: :class:`Q8Act` of ``[B, K]`` activations (B = 1..8), from ``quantize_q8_1``.
+      x: a :class:`Q8Act` of ``[B, K]`` activations (B = 1..8) from ``quantize_q8_1``, or float
+        ``[B, K]``, rounded to the same Q8_1 blocks in-kernel (bit for bit: the same output).
       w: ggml-layout PackedWeight ``[N, K]`` (Q8_0, Q4_K, Q5_K or Q6_K).
       config: launch parameters (``block_n``, ``num_warps``, ``num_stages``, ``split_k``;
         ``chunks_per_step`` is unused); None picks ``pick_config("q8", ...)``.
@@ -233,69 +412,70 @@ def qgemv_q8(x: Q8Act, w: PackedWeight, *, config: GemvConfig | None = None, int
     """
     qtype = _check(w, 2, "qgemv_q8")
     n, k = w.shape
-    if x.qs.ndim != 2 or x.qs.shape[1] * 4 != k or not 1 <= x.qs.shape[0] <= 8:
-        raise ValueError(f"qgemv_q8: x must hold [B<=8, {k}] activations, got quants {x.qs.shape}")
+    rows, width = _x_shape(x)
+    if width != k or not 1 <= rows <= 8:
+        raise ValueError(f"qgemv_q8: x must hold [B<=8, {k}] activations, got [{rows}, {width}]")
     cfg = config or pick_config("q8", qtype.name, n, k)
     bn, per_program, split = _launch(qtype, n, k, cfg)
     arrays, specs = _weight_operands(w, bn)  # the planes kernel's fields and specs: same order, same grid
-    rows = x.qs.shape[0]
-    return add_partials(pl.pallas_call(
-        functools.partial(_dense_kernel, qtype=qtype, per_program=per_program, interpret=interpret),
-        out_shape=jax.ShapeDtypeStruct((split, rows, n), F32),
-        grid=(split, n // bn),
-        in_specs=[*_x_specs(x, rows, _ALL_ROWS), *specs],
-        out_specs=pl.BlockSpec((1, rows, bn), lambda s, i: (s, 0, i)),
+    xo = _x_operands(x, "qgemv_q8", k, rows, _ALL_ROWS)
+    return add_partials(_call(
+        functools.partial(_dense_kernel, source=xo.source, qtype=qtype, per_program=per_program, interpret=interpret),
+        xo, y=jax.ShapeDtypeStruct((split, rows, n), F32), y_spec=pl.BlockSpec((1, rows, bn), lambda s, i: (s, 0, i)),
+        grid=(split, n // bn), w_specs=specs, interpret=interpret, name=f"qgemv_q8_{qtype.name.lower()}",
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-        interpret=interpret,
-        name=f"qgemv_q8_{qtype.name.lower()}",
-    )(x.qs, x.d, x.sums, *arrays))
+    )((), arrays))
 
 
-def _moe_kernel(e_ref, xq_ref, xd_ref, xs_ref, *refs, qtype, n_experts: int, per_program: int, interpret: bool):
-    *w_refs, o_ref = refs  # o_ref [1, 1, BN]
+def _moe_kernel(e_ref, *refs, source: _XSource, qtype, n_experts: int, per_program: int, interpret: bool):
+    xs, w_refs, o_ref = source.rows(refs, interpret)  # o_ref [1, 1, BN]
     e = expert_index(e_ref, n_experts)
 
     def store(r, y):
         o_ref[0, 0, :] = y
 
-    _body(_Rows(xq_ref, xd_ref, xs_ref, 1), [_ExpertView(r, e) for r in w_refs], store, qtype=qtype,
-          bn=o_ref.shape[2], per_program=per_program, interpret=interpret)
+    _body(xs, [_ExpertView(r, e) for r in w_refs], store, qtype=qtype, bn=o_ref.shape[2], per_program=per_program,
+          interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def moe_gemv_q8(x: Q8Act, w: PackedWeight, experts: jax.Array, *, config: GemvConfig | None = None,
-                interpret: bool = False) -> jax.Array:
-    """``x.values()[p] @ W[experts[p]]^T`` for every (token, expert) pair p, float32.
+@functools.partial(jax.jit, static_argnames=("swiglu_halves", "config", "interpret"))
+def moe_gemv_q8(x, w: PackedWeight, experts: jax.Array, *, swiglu_halves: bool = False,
+                config: GemvConfig | None = None, interpret: bool = False) -> jax.Array:
+    """``x[p] @ W[experts[p]]^T`` for every (token, expert) pair p, float32.
 
     Args:
-      x: :class:`Q8Act` of ``[P, K]`` activations, one row per pair.
+      x: a :class:`Q8Act` of ``[P, K]`` activations, one row per pair, or float ``[P, K]``
+        rounded in-kernel as :func:`qgemv_q8` does.
       w: ggml-layout PackedWeight ``[E, N, K]``; experts: integer ``[P]`` in [0, E) (others clamped).
+      swiglu_halves: x is float ``[P, 2K]``, gate then up side by side (``moe_gemv_q8_many(...,
+        joined=True)``), and the rows rounded are ``silu(gate) * up``, formed in-kernel (the
+        exponential is the kernel's: the last bits, and so a rare quant, may differ from
+        ``ops.experts.swiglu``'s).
       config, interpret: as for :func:`qgemv_q8` (the pick is for one expert's ``[N, K]``).
     Returns:
       float32 ``[P, N]``.
     """
     qtype = _check(w, 3, "moe_gemv_q8")
     n_exp, n, k = w.shape
-    if x.qs.ndim != 2 or x.qs.shape[1] * 4 != k or experts.shape != (x.qs.shape[0],):
-        raise ValueError(f"moe_gemv_q8: x must hold [P, {k}] activations and experts [P], got quants "
-                         f"{x.qs.shape} and experts {experts.shape}")
+    n_pairs, width = _x_shape(x)
+    if width != (2 * k if swiglu_halves else k) or experts.shape != (n_pairs,):
+        raise ValueError(f"moe_gemv_q8: x must hold [P, {2 * k if swiglu_halves else k}] activations and experts "
+                         f"[P], got [{n_pairs}, {width}] and experts {experts.shape}")
     cfg = config or pick_config("q8", qtype.name, n, k)
     bn, per_program, split = _launch(qtype, n, k, cfg)
     arrays, specs = _operands(w, bn)  # moe_gemv's: every expert, the row tile on the last grid axis
-    n_pairs = x.qs.shape[0]
-    return add_partials(pl.pallas_call(
-        functools.partial(_moe_kernel, qtype=qtype, n_experts=n_exp, per_program=per_program, interpret=interpret),
-        out_shape=jax.ShapeDtypeStruct((split, n_pairs, n), F32),
-        grid=(split, n_pairs, n // bn),
-        in_specs=[pl.BlockSpec((1,), lambda s, p, i: (p,)), *_x_specs(x, 1, _PAIR_ROW), *specs],
-        out_specs=pl.BlockSpec((1, 1, bn), lambda s, p, i: (s, p, i)),
+    xo = _x_operands(x, "moe_gemv_q8", k, 1, _PAIR_ROW, swiglu=swiglu_halves)
+    return add_partials(_call(
+        functools.partial(_moe_kernel, source=xo.source, qtype=qtype, n_experts=n_exp, per_program=per_program,
+                          interpret=interpret),
+        xo, y=jax.ShapeDtypeStruct((split, n_pairs, n), F32), y_spec=pl.BlockSpec((1, 1, bn), lambda s, p, i: (s, p, i)),
+        grid=(split, n_pairs, n // bn), lead_specs=[pl.BlockSpec((1,), lambda s, p, i: (p,))], w_specs=specs,
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-        interpret=interpret,
-        name=f"moe_gemv_q8_{qtype.name.lower()}",
-    )(experts.astype(jnp.int32), x.qs, x.d, x.sums, *arrays))
+        interpret=interpret, name=f"moe_gemv_q8_{qtype.name.lower()}",
+    )((experts.astype(jnp.int32),), arrays))
 
 
-def _part_body(xs: _Rows, store, *, bn: int, interpret: bool):
+def _part_body(xs, store, *, bn: int, interpret: bool):
     """This file's ``qgemv.run_parts`` body: one weight's chunks of a launch over several."""
 
     def body(part, refs, share):
@@ -311,70 +491,74 @@ def _q8_many(ws, k: int, lead: tuple, name: str, config: GemvConfig | None):
     return many_operands(ws, k, lead, name, tuning="q8", config=config)
 
 
-def _dense_many_kernel(xq_ref, xd_ref, xs_ref, *refs, parts, bn: int, interpret: bool):
-    o_ref = refs[-1]  # [1, B, BN]
+def _dense_many_kernel(*refs, source: _XSource, parts, bn: int, interpret: bool):
+    xs, w_refs, o_ref = source.rows(refs, interpret)  # o_ref [1, B, BN]
 
     def store(r, y):
         o_ref[0, r, :] = y
 
-    xs = _Rows(xq_ref, xd_ref, xs_ref, xq_ref.shape[0])
-    run_parts(pl.program_id(1), refs[:-1], parts, _part_body(xs, store, bn=bn, interpret=interpret))
+    run_parts(pl.program_id(1), w_refs, parts, _part_body(xs, store, bn=bn, interpret=interpret))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def qgemv_q8_many(x: Q8Act, ws: tuple, *, config: GemvConfig | None = None, interpret: bool = False) -> tuple:
+@functools.partial(jax.jit, static_argnames=("eps", "config", "partials", "interpret"))
+def qgemv_q8_many(x, ws: tuple, *, norm: jax.Array | None = None, eps: float = 0.0,
+                  config: GemvConfig | None = None, partials: bool = False, interpret: bool = False):
     """``tuple(qgemv_q8(x, w) for w in ws)`` in one launch (q, k and v of a layer: decode is
     bound by launches). Per output the sums are :func:`qgemv_q8`'s; the same bound holds with
-    the launch's split (``many_operands``: ``config``, else tuned from the "q8" table)."""
-    rows, k = x.qs.shape[0], x.qs.shape[1] * 4
+    the launch's split (``many_operands``: ``config``, else tuned from the "q8" table).
+
+    ``norm`` (float x only), ``eps`` and ``partials`` as for ``qgemv.qgemv_many``: the rows
+    rounded are ``ops.norms.rms_norm(x, norm, eps)``'s, formed in-kernel (the mean square sums
+    in another order: its last bits, and so a rare quant, may differ)."""
+    rows, k = _x_shape(x)
+    _check_norm("qgemv_q8_many", norm, k)
     m = _q8_many(ws, k, (), "qgemv_q8_many", config)
-    y = pl.pallas_call(
-        functools.partial(_dense_many_kernel, parts=m.parts, bn=m.bn, interpret=interpret),
-        out_shape=jax.ShapeDtypeStruct((m.split_k, rows, m.tiles * m.bn), F32),
-        grid=(m.split_k, m.tiles),
-        in_specs=[*_x_specs(x, rows, _ALL_ROWS), *m.specs],
-        out_specs=pl.BlockSpec((1, rows, m.bn), lambda s, i: (s, 0, i)),
-        compiler_params=m.compiler_params,
-        interpret=interpret,
-        name="qgemv_q8_many",
-    )(x.qs, x.d, x.sums, *m.arrays)
-    return m.split(y)
+    xo = _x_operands(x, "qgemv_q8_many", k, rows, _ALL_ROWS, norm, eps)
+    y = _call(
+        functools.partial(_dense_many_kernel, source=xo.source, parts=m.parts, bn=m.bn, interpret=interpret),
+        xo, y=jax.ShapeDtypeStruct((m.split_k, rows, m.tiles * m.bn), F32),
+        y_spec=pl.BlockSpec((1, rows, m.bn), lambda s, i: (s, 0, i)), grid=(m.split_k, m.tiles), w_specs=m.specs,
+        compiler_params=m.compiler_params, interpret=interpret, name="qgemv_q8_many",
+    )((), m.arrays)
+    return y if partials else m.split(y)
 
 
-def _moe_many_kernel(e_ref, xq_ref, xd_ref, xs_ref, *refs, parts, n_experts: int, bn: int, interpret: bool):
+def _moe_many_kernel(e_ref, *refs, source: _XSource, parts, n_experts: int, bn: int, interpret: bool):
+    xs, w_refs, o_ref = source.rows(refs, interpret)  # o_ref [1, 1, BN]
     e = expert_index(e_ref, n_experts)
-    o_ref = refs[-1]  # [1, 1, BN]
 
     def store(r, y):
         o_ref[0, 0, :] = y
 
-    xs = _Rows(xq_ref, xd_ref, xs_ref, 1)
-    run_parts(pl.program_id(2), refs[:-1], parts, _part_body(xs, store, bn=bn, interpret=interpret),
+    run_parts(pl.program_id(2), w_refs, parts, _part_body(xs, store, bn=bn, interpret=interpret),
               view=lambda r: _ExpertView(r, e))
 
 
-@functools.partial(jax.jit, static_argnames=("pairs_per_row", "config", "interpret"))
-def moe_gemv_q8_many(x: Q8Act, ws: tuple, experts: jax.Array, *, pairs_per_row: int = 1,
-                     config: GemvConfig | None = None, interpret: bool = False) -> tuple:
+@functools.partial(jax.jit, static_argnames=("pairs_per_row", "eps", "config", "joined", "interpret"))
+def moe_gemv_q8_many(x, ws: tuple, experts: jax.Array, *, pairs_per_row: int = 1, norm: jax.Array | None = None,
+                     eps: float = 0.0, config: GemvConfig | None = None, joined: bool = False,
+                     interpret: bool = False):
     """``tuple(moe_gemv_q8(x, w, experts) for w in ws)`` in one launch (gate and up of a layer).
     With ``pairs_per_row`` > 1, x holds one row per token and pair p reads row p // pairs_per_row
-    (token-major routing: nothing copies a token's row k times first). ``config`` as for
+    (token-major routing: nothing copies a token's row k times first). ``norm`` and ``eps`` as
+    for :func:`qgemv_q8_many`, ``joined`` as for ``moe_gemv.moe_gemv_many`` (the outputs side by
+    side, what ``moe_gemv_q8(..., swiglu_halves=True)`` reads); ``config`` as for
     :func:`qgemv_q8_many`."""
     n_exp, _, k = ws[0].shape
+    rows, width = _x_shape(x)
     n_pairs = experts.shape[0] if experts.ndim == 1 else -1
-    if x.qs.ndim != 2 or x.qs.shape[1] * 4 != k or pairs_per_row < 1 or n_pairs != x.qs.shape[0] * pairs_per_row:
+    if width != k or pairs_per_row < 1 or n_pairs != rows * pairs_per_row:
         raise ValueError(f"moe_gemv_q8_many: x must hold [P / {pairs_per_row}, {k}] activations and experts [P], "
-                         f"got quants {x.qs.shape} and experts {experts.shape}")
+                         f"got [{rows}, {width}] and experts {experts.shape}")
+    _check_norm("moe_gemv_q8_many", norm, k)
     m = _q8_many(ws, k, (n_exp,), "moe_gemv_q8_many", config)
-    y = pl.pallas_call(
-        functools.partial(_moe_many_kernel, parts=m.parts, n_experts=n_exp, bn=m.bn, interpret=interpret),
-        out_shape=jax.ShapeDtypeStruct((m.split_k, n_pairs, m.tiles * m.bn), F32),
-        grid=(m.split_k, n_pairs, m.tiles),
-        in_specs=[pl.BlockSpec((1,), lambda s, p, i: (p,)), *_x_specs(x, 1, lambda s, p, i: p // pairs_per_row),
-                  *m.specs],
-        out_specs=pl.BlockSpec((1, 1, m.bn), lambda s, p, i: (s, p, i)),
-        compiler_params=m.compiler_params,
-        interpret=interpret,
-        name="moe_gemv_q8_many",
-    )(experts.astype(jnp.int32), x.qs, x.d, x.sums, *m.arrays)
-    return m.split(y)
+    xo = _x_operands(x, "moe_gemv_q8_many", k, 1, lambda s, p, i: p // pairs_per_row, norm, eps)
+    y = _call(
+        functools.partial(_moe_many_kernel, source=xo.source, parts=m.parts, n_experts=n_exp, bn=m.bn,
+                          interpret=interpret),
+        xo, y=jax.ShapeDtypeStruct((m.split_k, n_pairs, m.tiles * m.bn), F32),
+        y_spec=pl.BlockSpec((1, 1, m.bn), lambda s, p, i: (s, p, i)), grid=(m.split_k, n_pairs, m.tiles),
+        lead_specs=[pl.BlockSpec((1,), lambda s, p, i: (p,))], w_specs=m.specs,
+        compiler_params=m.compiler_params, interpret=interpret, name="moe_gemv_q8_many",
+    )((experts.astype(jnp.int32),), m.arrays)
+    return add_partials(y) if joined else m.split(y)
