@@ -17,7 +17,7 @@ KERNELS_HELP = ("card matmuls: reference (jnp dequantize + matmul), pallas (GPU 
                 "bf16 parts, scales applied after each sub-block, as llama.cpp's MMQ does), pallas-bf16 (the same in "
                 "one bf16 part: faster, x rounded to bf16, finer than llama.cpp's Q8_1 rows), pallas-q8 "
                 "(activations rounded to Q8_1 as llama.cpp's CUDA backend does; integer dot products at decode, int8 "
-                "tiles at prefill) "
+                "tiles at prefill), pallas-q8-bf16 (its integer dot products at decode, pallas-bf16's tiles at prefill) "
                 "or auto: pallas-bf16 on a GPU (default auto)")
 
 

@@ -5,11 +5,12 @@ of ``GemvConfig`` variants, the first being what the code picks today (``pick_co
 ``pick_many_config``):
 
   qkv      ``qgemv_many(x, (q, k, v), norm=w)``: q Q4_K [4096, 2048], k Q4_K and v Q6_K [512, 2048]
+  o        ``qgemv(x, o)``: Q4_K [2048, 4096]
   gate_up  ``moe_gemv_many(x, (gate, up), experts, pairs_per_row=8)``: Q4_K [128, 768, 2048] each
   down     ``moe_gemv(g, down, experts, up=u)``: Q6_K [128, 2048, 768], SwiGLU formed in-kernel
   down_q4k the same for a Q4_K down projection (half the layers of a Q4_K_M file)
   output   ``qgemv(x, output)``: Q6_K [151936, 2048]
-  gate_up_q8, down_q8, down_q4k_q8, qkv_q8
+  gate_up_q8, down_q8, down_q4k_q8, qkv_q8, o_q8, output_q8
            the same launches on integer dot products (``qgemv_q8``, weights in the "ggml" layout,
            ``kernels=pallas-q8``) as the step makes them: on float x, each program rounding its
            own blocks to Q8_1 (down: of SwiGLU formed from gate and up side by side; q/k/v: of
@@ -55,7 +56,7 @@ from bloomery_jax.ops.experts import swiglu  # noqa: E402
 from bloomery_jax.ops.qmatmul import interpret_kernels  # noqa: E402
 from bloomery_jax.pallas.moe_gemv import moe_gemv, moe_gemv_many  # noqa: E402
 from bloomery_jax.pallas.qgemv import qgemv, qgemv_many  # noqa: E402
-from bloomery_jax.pallas.qgemv_q8 import moe_gemv_q8, moe_gemv_q8_many, qgemv_q8_many  # noqa: E402
+from bloomery_jax.pallas.qgemv_q8 import moe_gemv_q8, moe_gemv_q8_many, qgemv_q8, qgemv_q8_many  # noqa: E402
 from bloomery_jax.pallas.qgemv_tuned import GemvConfig as C, pick_config, pick_many_config  # noqa: E402
 from bloomery_jax.quant.repack import repack  # noqa: E402
 from bloomery_jax.synth.blocks import random_blocks  # noqa: E402
@@ -78,6 +79,7 @@ SWEEPS = {
              C(64, 3, 8, 3, 1), C(8, 3, 2, 3, 1), C(32, 3, 4, 3, 1), C(32, 1, 4, 3, 1), C(32, 3, 8, 2, 1)],
     "down_q4k": [C(16, 1, 4, 3, 3), C(32, 1, 4, 3, 3), C(8, 1, 2, 3, 3), C(16, 1, 1, 3, 3), C(32, 1, 2, 3, 3),
                  C(16, 3, 2, 3, 1), C(16, 1, 2, 3, 1), C(8, 1, 1, 3, 3), C(32, 3, 8, 3, 1)],
+    "o": [C(16, 1, 4, 3, 4), C(32, 1, 4, 3, 8), C(16, 2, 4, 3, 8), C(8, 1, 2, 3, 8), C(32, 2, 8, 3, 4)],
     "output": [C(32, 2, 8, 3), C(32, 4, 8, 3), C(64, 4, 8, 3), C(128, 2, 8, 3), C(64, 1, 8, 3), C(64, 2, 4, 3),
                C(128, 1, 8, 3), C(64, 2, 8, 2)],
 }
@@ -86,8 +88,11 @@ SWEEPS = {
 _Q8 = [C(32, 1, 2, 3, 4), C(32, 1, 4, 3, 4), C(32, 1, 4, 3, 2), C(16, 1, 2, 3, 4), C(64, 1, 4, 3, 2),
        C(64, 1, 4, 3, 4), C(32, 1, 2, 3, 1), C(16, 1, 1, 3, 8), C(32, 1, 4, 3, 1), C(64, 1, 8, 3, 1),
        C(128, 1, 4, 3, 4), C(128, 1, 8, 3, 2), C(64, 1, 4, 3, 8), C(64, 1, 2, 3, 8)]
-SWEEPS.update(gate_up_q8=_Q8, down_q8=_Q8, down_q4k_q8=_Q8, gate_up_q8_pre=_Q8, down_q8_pre=_Q8,
-              qkv_q8=[C(32, 1, 2, 3, 4), C(64, 1, 4, 3, 4), C(32, 1, 4, 3, 8), C(64, 1, 4, 3, 2), C(16, 1, 2, 3, 8)])
+SWEEPS["output_q8"] = [C(64, 1, 4, 3, 1), C(128, 1, 4, 3, 1), C(128, 1, 8, 3, 1), C(64, 1, 2, 3, 1), C(32, 1, 2, 3, 1),
+                       C(64, 1, 8, 3, 1), C(128, 1, 4, 3, 2), C(32, 1, 4, 3, 1)]
+SWEEPS.update(gate_up_q8=_Q8, down_q8=_Q8, down_q4k_q8=_Q8, gate_up_q8_pre=_Q8, down_q8_pre=_Q8, o_q8=_Q8,
+              qkv_q8=[C(128, 1, 4, 3, 4), C(128, 1, 8, 3, 2), C(64, 1, 4, 3, 8), C(128, 1, 4, 3, 8), C(64, 1, 8, 3, 4),
+                      C(32, 1, 4, 3, 8), C(16, 1, 2, 3, 8)])
 
 
 def packed(qtype: T, shape: tuple, rng, layout: str = "planes"):
@@ -110,8 +115,15 @@ def family(name: str, dims: dict, rng, max_copies: int):
     file names it and as ``current_pick`` looks it up)."""
     d, k = dims["hidden"], dims["top_k"]
     x = jnp.asarray(rng.standard_normal((1, d)), jnp.float32)
-    if name in ("qkv", "qkv_q8", "output"):
-        if name.startswith("qkv"):
+    if name in ("qkv", "qkv_q8", "o", "o_q8", "output", "output_q8"):
+        if name in ("o", "o_q8"):  # the attention output projection: x is the attention's [1, Hq * Dh]
+            layout = "ggml" if name == "o_q8" else "planes"
+            x = jnp.asarray(rng.standard_normal((1, dims["q_rows"])), jnp.float32)
+            ws = packed(T.Q4_K, (d, dims["q_rows"]), rng, layout)
+            key = ("single", "q8" if layout == "ggml" else "planes", "Q4_K", d, dims["q_rows"])
+            one_gemv = qgemv_q8 if layout == "ggml" else qgemv
+            one = lambda cfg: lambda x, w: (one_gemv(x, w, config=cfg, interpret=INTERP),)  # noqa: E731
+        elif name.startswith("qkv"):
             layout = "ggml" if name == "qkv_q8" else "planes"
             ws = (packed(T.Q4_K, (dims["q_rows"], d), rng, layout), packed(T.Q4_K, (dims["kv_rows"], d), rng, layout),
                   packed(T.Q6_K, (dims["kv_rows"], d), rng, layout))
@@ -120,9 +132,11 @@ def family(name: str, dims: dict, rng, max_copies: int):
             many = qgemv_q8_many if layout == "ggml" else qgemv_many
             one = lambda cfg: lambda x, w: many(x, w, norm=norm, eps=1e-6, config=cfg, interpret=INTERP)  # noqa: E731
         else:
-            ws = packed(T.Q6_K, (dims["vocab"], d), rng)
-            key = ("single", "planes", "Q6_K", dims["vocab"], d)
-            one = lambda cfg: lambda x, w: (qgemv(x, w, config=cfg, interpret=INTERP),)  # noqa: E731
+            layout = "ggml" if name == "output_q8" else "planes"
+            ws = packed(T.Q6_K, (dims["vocab"], d), rng, layout)
+            key = ("single", "q8" if layout == "ggml" else "planes", "Q6_K", dims["vocab"], d)
+            one_gemv = qgemv_q8 if layout == "ggml" else qgemv
+            one = lambda cfg: lambda x, w: (one_gemv(x, w, config=cfg, interpret=INTERP),)  # noqa: E731
         nbytes = sum(w.nbytes for w in jax.tree_util.tree_leaves(ws))
         sets = copies(ws, n_copies(nbytes, max_copies))
 

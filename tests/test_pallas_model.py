@@ -80,12 +80,14 @@ def test_prefill_precision_setting(q4km, kernels, precision):
     assert np.abs(sequence_logits(model, ids, ubatch=16) - ref).max() <= TOL * ref.std()
 
 
-def test_bf16_prefill_is_nearer_exact_than_llamacpp_arithmetic(q4km):
+@pytest.mark.parametrize("kernels", ["pallas-bf16", "pallas-q8-bf16"])
+def test_bf16_prefill_is_nearer_exact_than_llamacpp_arithmetic(q4km, kernels):
     """kernels=pallas-bf16 rounds x to bf16 in the prefill products (quant tiles, one part; each
     element within 2^-9 of itself). Against the exact reference its logits move, yet less than
     llama.cpp's CUDA arithmetic (Q8_1 activations, up to 2^-8 of each 32-block's largest) moves
-    them: the root-mean-square and the largest difference are both smaller, the argmax the same."""
-    model = load_model(q4km, kernels="pallas-bf16")
+    them: the root-mean-square and the largest difference are both smaller, the argmax the same.
+    pallas-q8-bf16 prefills so too (the same tiles on its "ggml"-layout weights, x not rounded to Q8_1)."""
+    model = load_model(q4km, kernels=kernels)
     assert model.cfg.prefill_precision == "q-bf16" and isinstance(model.params["blk.0.attn_q.weight"], PackedWeight)
     ids = tokens(16, seed=4)
     reference = load_model(q4km, kernels="reference", weights="blocks")
@@ -195,11 +197,17 @@ def test_pallas_attention_refuses_a_cache_over_its_offsets(q4km):
 Q8_FLIP_TOL, Q8_MIN_EXACT = 0.1, 0.8
 
 
-@pytest.mark.parametrize("n_tokens,ubatch", [(32, 16), (10, 1)], ids=["prefill", "decode"])
-def test_q8_kernels_match_reference_with_cuda_rounding(q4km, n_tokens, ubatch):
-    model = load_model(q4km, kernels="pallas-q8")
-    assert model.cfg.act_rounding == "ggml-cuda" and model.params["blk.1.attn_q.weight"].layout == "ggml"
-    assert model.cfg.prefill_precision == "q-int8"  # prefill: int8 tiles, the same arithmetic
+@pytest.mark.parametrize("kernels,n_tokens,ubatch", [("pallas-q8", 32, 16), ("pallas-q8", 10, 1), ("pallas-q8-bf16", 10, 1)],
+                         ids=["prefill", "decode", "decode-q8-bf16"])
+def test_q8_kernels_match_reference_with_cuda_rounding(q4km, kernels, n_tokens, ubatch):
+    """pallas-q8-bf16 decodes as pallas-q8 does (it prefills as pallas-bf16 does:
+    test_bf16_prefill_is_nearer_exact_than_llamacpp_arithmetic)."""
+    model = load_model(q4km, kernels=kernels)
+    assert model.params["blk.1.attn_q.weight"].layout == "ggml"
+    if kernels == "pallas-q8":
+        assert model.cfg.act_rounding == "ggml-cuda" and model.cfg.prefill_precision == "q-int8"  # int8 tiles
+    else:
+        assert model.cfg.act_rounding == "q8-decode" and model.cfg.prefill_precision == "q-bf16"
     ids = tokens(n_tokens, seed=ubatch + 1)
     ref = sequence_logits(load_model(q4km, kernels="reference", weights="blocks"), ids, ubatch=ubatch,
                           act_rounding="ggml-cuda")

@@ -27,7 +27,10 @@ from .registry import module_for_file
 from .spec import check_tensors
 
 # the prefill products' precision (pallas.moe_gemm precisions) a kernels= choice sets; others keep tf32x3
-PREFILL_PRECISION_OF = {"pallas-tf32": "tf32", "pallas-qtiles": "q-bf16x2", "pallas-bf16": "q-bf16", "pallas-q8": "q-int8"}
+PREFILL_PRECISION_OF = {"pallas-tf32": "tf32", "pallas-qtiles": "q-bf16x2", "pallas-bf16": "q-bf16", "pallas-q8": "q-int8",
+                        "pallas-q8-bf16": "q-bf16"}
+# the kernels on "ggml"-layout weights, and the activation rounding they set
+ACT_ROUNDING_OF = {"pallas-q8": "ggml-cuda", "pallas-q8-bf16": "q8-decode"}
 
 
 @dataclasses.dataclass(eq=False)
@@ -96,7 +99,9 @@ def load_model(path: str | os.PathLike, *, device=None, place="card", reserve_by
         2^-8 of their block's largest), "pallas-q8" (as pallas with weights in the "ggml" layout and
         activations rounded to Q8_1 before every quantized matmul, as llama.cpp's CUDA backend
         does: decode GEMVs take integer dot products, prefill products int8 tiles; sets
-        ``cfg.act_rounding="ggml-cuda"`` and ``prefill_precision`` "q-int8") or
+        ``cfg.act_rounding="ggml-cuda"`` and ``prefill_precision`` "q-int8"), "pallas-q8-bf16"
+        (pallas-q8's integer dot products at decode, pallas-bf16's tiles at prefill, where x is
+        not rounded to Q8_1: ``act_rounding="q8-decode"``) or
         "auto" (pallas-bf16 on a GPU, else reference). Weights no kernel can serve are listed on
         stderr and run the reference path.
       attention: "xla" (``ops.attention``, jnp) or "pallas": one-token (decode) steps attend
@@ -160,11 +165,11 @@ def load_model(path: str | os.PathLike, *, device=None, place="card", reserve_by
     if kernels.startswith("pallas"):
         if weights == "f32":
             raise ConfigError("weights='f32' and kernels='pallas' exclude each other: the kernels read blocks")
-        params = _pack_for_kernels(params, specs, "ggml" if kernels == "pallas-q8" else "planes", kernels)
+        params = _pack_for_kernels(params, specs, "ggml" if kernels in ACT_ROUNDING_OF else "planes", kernels)
         if kernels in PREFILL_PRECISION_OF:
             cfg = dataclasses.replace(cfg, prefill_precision=PREFILL_PRECISION_OF[kernels])
-        if kernels == "pallas-q8":
-            cfg = dataclasses.replace(cfg, act_rounding="ggml-cuda")
+        if kernels in ACT_ROUNDING_OF:
+            cfg = dataclasses.replace(cfg, act_rounding=ACT_ROUNDING_OF[kernels])
     elif _want_f32(weights, params, bool(host_tensors)):
         # Exactly the values the per-step dequantization forms (quant.dequantize is bit-exact).
         params = jax.jit(lambda ps: {k: q.dequantize() for k, q in ps.items()})(params)

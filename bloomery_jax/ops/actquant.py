@@ -19,6 +19,10 @@ every activation row becomes Q8_1 blocks of 32 whatever the weight's block type:
 127`` (float32), ``q = roundf(x / d)`` (half away from zero), value ``q * f16(d)`` (the block
 stores d as f16). Float weights see x unchanged. :func:`quantize_q8_1` gives the integers
 themselves, for the kernels that take integer dot products (``pallas.qgemv_q8``).
+
+``"q8-decode"`` rounds only where the decode GEMV takes integer dot products (``pallas.qgemv_q8``
+rounds its own input to these Q8_1 blocks): every other product, prefill's among them, sees x
+unchanged (``kernels=pallas-q8-bf16``).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from gguf import GGMLQuantizationType as T
 
-ACT_ROUNDINGS = ("none", "ggml-cpu", "ggml-cuda")
+ACT_ROUNDINGS = ("none", "ggml-cpu", "ggml-cuda", "q8-decode")
 
 _Q8_K_TYPES = frozenset({T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS})
 _Q8_0_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL})
@@ -111,14 +115,15 @@ def round_activations(x: jax.Array, weight_qtype, mode: str = "none") -> jax.Arr
     Args:
       x: float32 ``[..., K]`` activations.
       weight_qtype: the ggml type of the weight it multiplies.
-      mode: ``"none"`` (exact reference), ``"ggml-cpu"`` or ``"ggml-cuda"``.
+      mode: ``"none"`` (exact reference), ``"ggml-cpu"``, ``"ggml-cuda"`` or ``"q8-decode"`` (x
+        unchanged here: only the integer-dot GEMVs round, inside themselves).
     Returns:
       float32 ``[..., K]``.
     """
-    if mode == "none":
-        return x
     if mode not in ACT_ROUNDINGS:
         raise ValueError(f"unknown activation rounding {mode!r} (have: {', '.join(ACT_ROUNDINGS)})")
+    if mode in ("none", "q8-decode"):
+        return x
     qtype = T(weight_qtype)
     x = x.astype(jnp.float32)
     if mode == "ggml-cuda":

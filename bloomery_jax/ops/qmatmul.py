@@ -12,9 +12,10 @@ precision): quant tiles (``pallas.moe_gemm.dense_gemm``, also in the interpreter
 product of the weight's (bit-identical) dequantized values, on a GPU with that tensor-core
 algorithm (default three TF32 passes: errors as f32's, measured 1.2e-6 against 1.3e-6 relative
 for plain f32 FMAs) rather than HIGHEST's f32 FMAs, which run at a tenth of the tensor cores'
-rate. With ``act_rounding="ggml-cuda"`` and a
-weight in the "ggml" layout (``kernels=pallas-q8``) the decode GEMV takes integer dot products on
-the Q8_1-rounded activations (``pallas.qgemv_q8``), as llama.cpp's CUDA backend does.
+rate. With ``act_rounding="ggml-cuda"`` or ``"q8-decode"`` and a weight in the "ggml" layout
+(``kernels=pallas-q8``, ``pallas-q8-bf16``) the decode GEMV takes integer dot products on the
+Q8_1-rounded activations (``pallas.qgemv_q8``, which rounds them itself), as llama.cpp's CUDA
+backend does.
 """
 
 from __future__ import annotations
@@ -116,8 +117,9 @@ def qmatmul_many(x: jax.Array, ws, act_rounding: str = "none", norm: tuple | Non
 
 
 def takes_q8(w, act_rounding: str) -> bool:
-    """The integer dot-product GEMV serves ``w``: Q8_1 activations and a ggml-layout weight."""
-    return act_rounding == "ggml-cuda" and isinstance(w, PackedWeight) and w.layout == "ggml"
+    """The integer dot-product GEMV serves ``w``: Q8_1 activations at decode (``"ggml-cuda"``,
+    ``"q8-decode"``) and a ggml-layout weight."""
+    return act_rounding in ("ggml-cuda", "q8-decode") and isinstance(w, PackedWeight) and w.layout == "ggml"
 
 
 def take_rows(w, rows: jax.Array) -> jax.Array:

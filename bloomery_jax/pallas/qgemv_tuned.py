@@ -72,7 +72,15 @@ TUNED: dict[tuple[str, str, int, int], tuple[int, int, int, int]] = {
     ("planes", "Q6_K", 151936, 2048): (64, 2, 8, 3, 1),
     # q8 where another config beat the default by more than 15% (same sweep, rounding included)
     ("q8", "Q4_K", 4096, 2048): (64, 1, 4, 3, 4),  # 6.6 us (default 8.0)
-    ("q8", "Q6_K", 2048, 768): (32, 1, 4, 3, 2),  # 7.2 us (default 9.3)
+    # q8 with the Q8_1 rounding inside the launch, measured 2026-12-07 on an H100
+    # (benchmarks/gpu_2026-12-07-s28, layer_kernel_bench.py; the rounding is paid per row tile, so
+    # taller tiles win): down Q6_K 13.2 -> 9.0 us (the planes down: 18.1), Q4_K 10.4 -> 8.2, o
+    # 11.4 -> 10.4, the output head 635 -> 214 us (the default had made pallas-q8's head 4.6x the
+    # planes head's, 652 against 143 us a token in the decode profile)
+    ("q8", "Q6_K", 2048, 768): (128, 1, 8, 3, 2),
+    ("q8", "Q4_K", 2048, 768): (128, 1, 8, 3, 2),
+    ("q8", "Q4_K", 2048, 4096): (64, 1, 2, 3, 8),
+    ("q8", "Q6_K", 151936, 2048): (128, 1, 4, 3, 2),
 }
 
 
@@ -110,6 +118,8 @@ def pick_config(layout: str, type_name: str, n: int, k: int) -> GemvConfig:
 TUNED_MANY: dict[tuple, tuple[int, ...]] = {
     ("planes", (("Q4_K", 768), ("Q4_K", 768)), 2048): (32, 1, 4, 3, 4),  # gate/up, 8 pairs: 19.6 -> 16.9 us
     ("planes", (("Q4_K", 4096), ("Q4_K", 512), ("Q6_K", 512)), 2048): (32, 2, 8, 3, 4),  # q/k/v with the norm
+    # 2026-12-07, H100, the Q8_1 rounding in the launch (as above): gate/up 33.6 -> 15.1 us (planes: 19.7)
+    ("q8", (("Q4_K", 768), ("Q4_K", 768)), 2048): (128, 1, 4, 3, 4),
 }
 
 
