@@ -55,7 +55,8 @@ pack() { tar czf "$OUT/$call.tgz" -C "$RES" .; }  # also between runs, where a c
 # r2 the default (two parallel regions a call), r1 one region, team the host team; -spinN: the
 # team's helpers spin N us after a call (0: they sleep at once; default 20000); -tN: N Numba
 # threads; -gompNk: OpenMP's workers spin N thousand times after a region (default 10k); -pfN:
-# the host prefetch hint N bytes ahead (default 2304); -partsN: N shares a thread in one region.
+# the host prefetch hint N bytes ahead (default 2304); -partsN: N shares a thread in one region;
+# -plain: the team without its threads' one-thread regions.
 # Compared with llama.cpp where this call ran it.
 bench_as() {
   local v=$1 place=$2 vars=(BLOOMERY_HOST_TEAM=0 BLOOMERY_HOST_REGIONS=2)  # the defaults, whatever the caller exported
@@ -65,6 +66,7 @@ bench_as() {
   [[ $v =~ -gomp([0-9]+k) ]] && vars+=(GOMP_SPINCOUNT=${BASH_REMATCH[1]%k}000)
   [[ $v =~ -pf([0-9]+) ]] && vars+=(BLOOMERY_HOST_PREFETCH_BYTES=${BASH_REMATCH[1]})
   [[ $v =~ -parts([0-9]+) ]] && vars+=(BLOOMERY_HOST_PARTS=${BASH_REMATCH[1]})
+  [[ $v =~ -plain ]] && vars+=(BLOOMERY_HOST_TEAM_PLAIN=1)
   mkdir -p $RES/$v
   env "${vars[@]}" ${B/--out $RES/--out $RES/$v} --bridge ffi --signal doorbell bench --only $place
   [ -f $RES/llamacpp.json ] && cp $RES/llamacpp.json $RES/$v/

@@ -13,7 +13,8 @@ that part up, on the bridges' thread count:
   function the FFI bridge calls, no Python) under each kernel layout (``--layouts``: ``r2`` two
   parallel regions, ``r1pN`` one region with N shares a thread; ``python``: the default layout
   through ``host_moe_swiglu``; ``team``: the host team of ``ffi_bridge.cc``, threads that stay
-  awake between calls, through its ``bloomery_ffi_run_host``, ``teampN`` with N shares a thread)
+  awake between calls, through its ``bloomery_ffi_run_host``, ``teampN`` with N shares a thread,
+  ``teamplain`` without each thread's one-thread parallel region)
   with m of 8 experts on the host,
   and the line fitted through m = 1..8: intercept (fixed µs a call) and slope (µs an expert,
   with its GB/s);
@@ -98,9 +99,10 @@ def child(args) -> dict:
         if path.startswith("r"):  # r2 | r1pN
             record[F.REGIONS] = int(path[1])
             record[F.PARTS] = int(path[3:]) if path.startswith("r1p") else 1
-        team = path.startswith("team")  # team | teampN
+        team = path.startswith("team")  # team | teampN | teamplain
         if team:
-            record[F.PARTS] = int(path[5:]) if path.startswith("teamp") else 1
+            record[F.PARTS] = int(path[5:]) if path.startswith("teamp") and path[5:].isdigit() else 1
+            record[F.TEAM_PLAIN] = int(path == "teamplain")
         record[F.TEAM] = int(team)
         # the addresses first: each .ctypes.data costs microseconds, which the call's time must not hold
         args = [a.ctypes.data for a in (record, x, ids, weights, on_host, out)] + [1]
@@ -167,7 +169,7 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=40)
     p.add_argument("--gaps", default="0,100", help="µs between calls, comma-separated")
     p.add_argument("--waits", default="10k,1M,passive", help=f"of {sorted(SPINS)}, comma-separated")
-    p.add_argument("--layouts", default="r2,r1p1,team", help="r2, r1pN, team, teampN or python, comma-separated")
+    p.add_argument("--layouts", default="r2,r1p1,team", help="r2, r1pN, team, teampN, teamplain or python, comma-separated")
     p.add_argument("--rounds", type=int, default=2, help="times every wait setting is run, in turn")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--json")

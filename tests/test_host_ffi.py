@@ -55,15 +55,17 @@ def test_matches_the_callback_bridge_bit_for_bit(threads):
     assert not y[0].any() and y[1].any()
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-def test_host_team_matches_the_callback_bridge_bit_for_bit(threads, monkeypatch):
+@pytest.mark.parametrize("threads,plain", [(1, "0"), (2, "0"), (2, "1")])
+def test_host_team_matches_the_callback_bridge_bit_for_bit(threads, plain, monkeypatch):
     """Calls of at most TEAM_TOKENS tokens on the host team (threads that stay awake between
     calls, ffi_bridge.cc) give the callback bridge's result bit for bit: after the team's threads
     have fallen asleep too (a spin of 0 us), for a token with no host pair, and for a call too
-    large for the team (the Numba kernel). Its spans nest as the kernel's do."""
+    large for the team (the Numba kernel); also with the shared items outside the one-thread
+    regions (BLOOMERY_HOST_TEAM_PLAIN). Its spans nest as the kernel's do."""
     from bloomery_jax.host.ffi import TEAM_TOKENS
 
     monkeypatch.setenv("BLOOMERY_HOST_TEAM_SPIN_US", "0")
+    monkeypatch.setenv("BLOOMERY_HOST_TEAM_PLAIN", plain)
     names = ["Q4_K_M", "Q8_0", "F16"]
     callback = HostBridge({3 * i + 1: _layer(name) for i, name in enumerate(names)}, threads)
     team = FfiHostBridge(callback.layers, threads, team=True)
@@ -82,6 +84,7 @@ def test_host_team_matches_the_callback_bridge_bit_for_bit(threads, monkeypatch)
     # every call of at most TEAM_TOKENS tokens ran on the team, the larger one in the kernel
     assert [int(r[ffi_layout.TEAM_CALLS]) for r in team._records.values()] == [4] * len(names)
     assert team.stats.calls == 5 * len(names)
+    assert {int(r[ffi_layout.TEAM_PLAIN]) for r in team._records.values()} == {int(plain)}
 
 
 def _team_record(threads):

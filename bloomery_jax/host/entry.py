@@ -91,4 +91,4 @@ def team_entry(rec, x, experts, weights, on_host, out, n, tid, nthreads):
     counter = carray(_pointer(rec[F.TEAM_COUNTERS], np.int64), (F.COUNTER_WORDS + 8 * nthreads,))
     _team_part(oa, xa, ea, wa, ha, gw, uw, dw, rec[F.GATE_FMT], rec[F.UP_FMT], rec[F.DOWN_FMT], rec[F.Q8] != 0,
                tab16, tabbf, rec[F.ROWS_PER_ITEM], rec[F.MULTI_MIN1], rec[F.MULTI_MIN2], rec[F.PREFETCH_BYTES],
-               rec[F.PARTS], scratch, counter, tid, nthreads)
+               rec[F.PARTS], scratch, counter, tid, nthreads, rec[F.TEAM_PLAIN] != 0)

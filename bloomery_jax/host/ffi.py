@@ -168,7 +168,9 @@ def resolve_team(team: bool | None) -> bool:
     kernel: ``team``, else ``$BLOOMERY_HOST_TEAM`` ("1" or "0"), else off: on H100 hosts its
     calls ran 1.3-1.6x longer than two regions' (twenty-second session, docs/LOG.md), though on
     one thread they cost the same. The same bits either way. ``$BLOOMERY_HOST_TEAM_SPIN_US``
-    (default 20000): how long its threads spin after a call before they sleep. Each team thread
+    (default 20000): how long its threads spin after a call before they sleep;
+    ``$BLOOMERY_HOST_TEAM_PLAIN=1``: without the one-thread regions below (ffi_layout.TEAM_PLAIN).
+    Each team thread
     starts a Numba parallel region of its own (swiglu._share_alone), which the ``workqueue``
     threading layer cannot run from several threads at once: a ConfigError there."""
     on = _switch(team, "BLOOMERY_HOST_TEAM", "0")
@@ -259,7 +261,8 @@ class FfiHostBridge(HostBridge):
         entry = dict(FN=layer_entry.address, SET_THREADS=_numba_setter("set_num_threads"), THREADS=self.threads,
                      SET_CHUNKSIZE=_numba_setter("set_parallel_chunksize"), CHUNKSIZE=CHUNKSIZE,
                      SIGNAL=F.SIGNALS.index(self.signal), TEAM=int(self.team), TEAM_FN=team_entry.address,
-                     TEAM_TOKENS=TEAM_TOKENS, TEAM_SPIN_US=int(os.environ.get("BLOOMERY_HOST_TEAM_SPIN_US", "20000")))
+                     TEAM_TOKENS=TEAM_TOKENS, TEAM_SPIN_US=int(os.environ.get("BLOOMERY_HOST_TEAM_SPIN_US", "20000")),
+                     TEAM_PLAIN=int(_switch(None, "BLOOMERY_HOST_TEAM_PLAIN", "0")))
         if self.signal == "doorbell" and _on_cuda():
             for device in jax.devices("gpu"):
                 self.start_doorbell(device.id)

@@ -20,8 +20,10 @@ FIELDS = (
     # The host team (ffi_bridge.cc): calls of at most TEAM_TOKENS tokens run on threads that stay
     # awake between calls (TEAM_SPIN_US after the last), each running TEAM_FN (entry.team_entry)
     # for its part; 0 in TEAM: every call runs FN. TEAM_SCRATCH: address of the addresses of
-    # swiglu.team_scratch's arrays (TEAM_PAIRS rows); TEAM_COUNTERS: int64 [COUNTER_WORDS].
-    "TEAM", "TEAM_FN", "TEAM_TOKENS", "TEAM_SPIN_US", "TEAM_SCRATCH", "TEAM_PAIRS", "TEAM_COUNTERS",
+    # swiglu.team_scratch's arrays (TEAM_PAIRS rows); TEAM_COUNTERS: int64 [COUNTER_WORDS];
+    # TEAM_PLAIN: 1 runs each part's shared items in the part's own function, without the
+    # one-thread parallel region (swiglu._team_part).
+    "TEAM", "TEAM_FN", "TEAM_TOKENS", "TEAM_SPIN_US", "TEAM_SCRATCH", "TEAM_PAIRS", "TEAM_COUNTERS", "TEAM_PLAIN",
     "TEAM_CALLS",  # calls the team ran, added to by the bridge
 )
 WORDS = len(FIELDS)

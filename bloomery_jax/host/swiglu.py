@@ -737,13 +737,16 @@ def _share_alone(counter, bounds, n1, rpi2, n2, P, gexp, start, pids, pair_tok, 
 
 @njit(fastmath=True, cache=True, nogil=True)
 def _team_part(out, x, experts, weights, on_host, gw, uw, dw, gfmt, ufmt, dfmt, q8, tab16, tabbf, rpi, mmin1, mmin2,
-               pf, parts, scratch, counter, tid, nthreads):
+               pf, parts, scratch, counter, tid, nthreads, plain):
     """Thread ``tid``'s part of a layer call on the host team (ffi_bridge.cc): the same items, the
     same dots in the same order as ``_moe_kernel``'s one region, so the same bits. Every thread
     groups the pairs and rounds x itself (the same values on each; microseconds for the few tokens
     a team call has), instead of waiting for one thread to do it; the hidden rows go to
     ``scratch`` (``team_scratch``, shared), the counters are zero when the call starts; the thread
-    stamps its phases after them (ffi_layout.TEAM_STAMPS)."""
+    stamps its phases after them (ffi_layout.TEAM_STAMPS). ``plain``: the shared items run in this
+    function instead of a one-thread parallel region (_share_alone), whose launch made some of 14
+    threads 70-90 us late on an H200 host (twenty-seventh session), at the cost of the slower
+    compile _share's note describes."""
     stamp = COUNTER_WORDS + 8 * tid
     _stamp(counter, stamp, 0)
     N, D = x.shape
@@ -762,11 +765,16 @@ def _team_part(out, x, experts, weights, on_host, gw, uw, dw, gfmt, ufmt, dfmt, 
     H, HS, HQK, HDK, HBK, HQ8, H16, HQ0, HD0 = scratch
     bounds, rpi2 = _items(start, gexp, F, D, rpi, nthreads, nthreads * parts, mmin1)
     _stamp(counter, stamp, 2)
-    _share_alone(counter, bounds, bounds.shape[0] - 1, rpi2, (D + rpi2 - 1) // rpi2, P, gexp, start, pids, pair_tok,
-                 pair_w, x, 0, H[:P], (gw, uw, dw), (gfmt, ufmt, dfmt), q8, (ka, kb, kd),
-                 (XS, XQK, XDK, XBK, XQ8, X16, XQ0, XD0),
-                 (HS[:P], HQK[:P], HDK[:P], HBK[:P], HQ8[:P], H16[:P], HQ0[:P], HD0[:P]), tab16, tabbf, mmin1, mmin2,
-                 maxc, pf, out, True, stamp)
+    xact = (XS, XQK, XDK, XBK, XQ8, X16, XQ0, XD0)
+    hact = (HS[:P], HQK[:P], HDK[:P], HBK[:P], HQ8[:P], H16[:P], HQ0[:P], HD0[:P])
+    n1, n2 = bounds.shape[0] - 1, (D + rpi2 - 1) // rpi2
+    if plain:
+        _share(counter, bounds, n1, rpi2, n2, P, gexp, start, pids, pair_tok, pair_w, x, 0, H[:P], (gw, uw, dw),
+               (gfmt, ufmt, dfmt), q8, (ka, kb, kd), xact, hact, tab16, tabbf, mmin1, mmin2, maxc, pf, out, True, stamp)
+    else:
+        _share_alone(counter, bounds, n1, rpi2, n2, P, gexp, start, pids, pair_tok, pair_w, x, 0, H[:P], (gw, uw, dw),
+                     (gfmt, ufmt, dfmt), q8, (ka, kb, kd), xact, hact, tab16, tabbf, mmin1, mmin2, maxc, pf, out, True,
+                     stamp)
 
 
 def team_scratch(pairs: int, F: int) -> tuple:
