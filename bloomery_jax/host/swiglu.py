@@ -90,7 +90,8 @@ import os
 import numba
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
 from . import atomics
 from . import blocks as B
@@ -687,10 +688,11 @@ def _share(counter, bounds, n1, rpi2, n2, P, gexp, start, pids, pair_tok, pair_w
     ``kind3``: gate, up and down; ``xact`` / ``hact``: the activation forms of x and of the
     hidden rows (_act_buffers); ``stamp``: where a team thread stamps its phases (_stamp).
 
-    Inlined, and only into ``prange`` bodies: the same items compiled in a function of their own
-    ran 1.25x (one region) to 1.5x (the team) slower a host expert, on one thread of the 2-core
-    VM (twenty-second session; LOG.md). Few enough arguments (< 30) that CPython passes them
-    without ``*args``, which Numba's inliner refuses."""
+    Inlined, into ``prange`` bodies or _share_plain only: the same items in a function of their
+    own ran 1.25x (one region) to 1.5x (the team) slower a host expert, on one thread of the
+    2-core VM (twenty-second session; LOG.md): the same machine code, but on arrays with an owner,
+    whose reference counts a ``prange`` body's arrays do not have (_unowned). Few enough
+    arguments (< 30) that CPython passes them without ``*args``, which Numba's inliner refuses."""
     gw, uw, dw = w3
     gfmt, ufmt, dfmt = fmt3
     ka, kb, kd = kind3
@@ -735,6 +737,48 @@ def _share_alone(counter, bounds, n1, rpi2, n2, P, gexp, start, pids, pair_tok, 
                xact, hact, tab16, tabbf, mmin1, mmin2, maxc, pf, out, zero_items, stamp)
 
 
+@intrinsic
+def _unowned(typingctx, a):
+    """Array ``a``, or each array of the tuple ``a``, as a view without its owner (a null
+    meminfo), as the arrays of a ``prange`` body are (Numba's gufunc wrapper makes them so):
+    Numba counts each view it makes of an owned array, and each time it passes one on, in the
+    owner's reference count, a locked add (NRT_incref / NRT_decref), and the items make several
+    a row dot (the row, x's activation forms ``XQK[t]``, ``XQ8[t]``, ...); without an owner
+    those calls return at once. The caller must keep ``a`` alive while a view is in use."""
+    arrays = a.types if isinstance(a, types.BaseTuple) else (a,)
+    if not all(isinstance(t, types.Array) for t in arrays):
+        return None
+
+    def codegen(context, builder, sig, args):
+        def bare(ty, value):
+            src = context.make_array(ty)(context, builder, value)
+            view = context.make_array(ty)(context, builder)
+            context.populate_array(view, data=src.data, shape=src.shape, strides=src.strides,
+                                   itemsize=src.itemsize, meminfo=None)
+            return view._getvalue()
+
+        if not isinstance(a, types.BaseTuple):
+            return bare(a, args[0])
+        items = [bare(t, builder.extract_value(args[0], i)) for i, t in enumerate(a.types)]
+        return context.make_tuple(builder, a, items)
+
+    return a(a), codegen
+
+
+@njit(fastmath=True, cache=True, nogil=True)  # the kernel's flags: the items' arithmetic must match
+def _share_plain(counter, bounds, n1, rpi2, n2, P, gexp, start, pids, pair_tok, pair_w, x, xrows, H, w3, fmt3, q8,
+                 kind3, xact, hact, tab16, tabbf, mmin1, mmin2, maxc, pf, out, zero_items, stamp):
+    """``_share`` on the calling thread without a parallel region, on views of its arrays
+    without their owners (_unowned), as ``_share_alone``'s ``prange`` body has them. With the
+    owners, the same items ran 1.8x slower a host expert on one thread of the 2-core VM, half of
+    their samples (perf) in NRT_incref / NRT_decref's locked adds; without, 0.96x
+    ``_share_alone``'s, the same bits. The caller holds the arrays for the call."""
+    u = _unowned
+    _share(u(counter), u(bounds), n1, rpi2, n2, P, u(gexp), u(start), u(pids), u(pair_tok), u(pair_w), u(x), xrows,
+           u(H), u(w3), fmt3, q8, kind3, u(xact), u(hact), u(tab16), u(tabbf), mmin1, mmin2, maxc, pf, u(out),
+           zero_items, stamp)
+
+
 @njit(fastmath=True, cache=True, nogil=True)
 def _team_part(out, x, experts, weights, on_host, gw, uw, dw, gfmt, ufmt, dfmt, q8, tab16, tabbf, rpi, mmin1, mmin2,
                pf, parts, scratch, counter, tid, nthreads, plain):
@@ -743,10 +787,10 @@ def _team_part(out, x, experts, weights, on_host, gw, uw, dw, gfmt, ufmt, dfmt, 
     groups the pairs and rounds x itself (the same values on each; microseconds for the few tokens
     a team call has), instead of waiting for one thread to do it; the hidden rows go to
     ``scratch`` (``team_scratch``, shared), the counters are zero when the call starts; the thread
-    stamps its phases after them (ffi_layout.TEAM_STAMPS). ``plain``: the shared items run in this
-    function instead of a one-thread parallel region (_share_alone), whose launch made some of 14
-    threads 70-90 us late on an H200 host (twenty-seventh session), at the cost of the slower
-    compile _share's note describes."""
+    stamps its phases after them (ffi_layout.TEAM_STAMPS). ``plain``: the shared items run in
+    _share_plain, on arrays without owners as the region's are, instead of a one-thread parallel
+    region (_share_alone), whose launch made some of 14 threads 70-90 us late on an H200 host
+    (twenty-seventh session)."""
     stamp = COUNTER_WORDS + 8 * tid
     _stamp(counter, stamp, 0)
     N, D = x.shape
@@ -769,8 +813,9 @@ def _team_part(out, x, experts, weights, on_host, gw, uw, dw, gfmt, ufmt, dfmt, 
     hact = (HS[:P], HQK[:P], HDK[:P], HBK[:P], HQ8[:P], H16[:P], HQ0[:P], HD0[:P])
     n1, n2 = bounds.shape[0] - 1, (D + rpi2 - 1) // rpi2
     if plain:
-        _share(counter, bounds, n1, rpi2, n2, P, gexp, start, pids, pair_tok, pair_w, x, 0, H[:P], (gw, uw, dw),
-               (gfmt, ufmt, dfmt), q8, (ka, kb, kd), xact, hact, tab16, tabbf, mmin1, mmin2, maxc, pf, out, True, stamp)
+        _share_plain(counter, bounds, n1, rpi2, n2, P, gexp, start, pids, pair_tok, pair_w, x, 0, H[:P], (gw, uw, dw),
+                     (gfmt, ufmt, dfmt), q8, (ka, kb, kd), xact, hact, tab16, tabbf, mmin1, mmin2, maxc, pf, out, True,
+                     stamp)
     else:
         _share_alone(counter, bounds, n1, rpi2, n2, P, gexp, start, pids, pair_tok, pair_w, x, 0, H[:P], (gw, uw, dw),
                      (gfmt, ufmt, dfmt), q8, (ka, kb, kd), xact, hact, tab16, tabbf, mmin1, mmin2, maxc, pf, out, True,
