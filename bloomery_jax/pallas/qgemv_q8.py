@@ -18,6 +18,12 @@ for every row b of x takes ``dp4a`` against x's matching words, giving integer p
 ``[block_n]`` accumulator from the block sums of x. The 8 columns are summed at the end.
 ``split_k`` programs share a row tile's K range, as in ``qgemv``.
 
+x comes as a :class:`Q8Act` rounded before the launch, or as floats (optionally RMS-normed or
+SwiGLU-formed in-kernel) that each program rounds to the same Q8_1 blocks, bit for bit, chunk
+by chunk before that chunk's dot products (:class:`_RoundingRows`): a decode layer then makes no
+rounding launch of its own (twenty-eighth session: with them the twentieth session's pallas-q8
+lost to the planes kernels; without, and with taller row tiles, it beat llama.cpp's decode).
+
 Exactness: against the float64 product of the rounded activations (``Q8Act.values()``) and the
 file's weights, every integer sum is exact and each term passes through at most
 ``rounding_depth`` float32 roundings, so |y - exact| <= depth * 2^-24 * sum_k |xv_k| m_k
@@ -350,9 +356,10 @@ def _x_operands(x, name: str, k: int, n_rows: int, first_row, norm=None, eps: fl
     """x for a launch of K = ``k``, as blocks of 32: each program reads ``n_rows`` rows from
     ``first_row(*grid index)`` on; a float ``norm [K]`` is read whole by every program."""
     rows, _ = _x_shape(x)
-    at_row = lambda *g: (first_row(*g), 0, 0)  # noqa: E731
-    block_arrays = lambda shapes: [pl.BlockSpec((n_rows, *s[1:]), at_row if len(s) == 3 else  # noqa: E731
-                                                lambda *g: (first_row(*g), 0)) for s in shapes]
+
+    def block_arrays(shapes):  # [R, ...] arrays: the program's n_rows rows, all else whole
+        return [pl.BlockSpec((n_rows, *s[1:]), lambda *g, nd=len(s): (first_row(*g),) + (0,) * (nd - 1)) for s in shapes]
+
     if isinstance(x, Q8Act):
         if norm is not None or swiglu:
             raise ValueError(f"{name}: the norm and SwiGLU are formed from float x, not from rounded blocks")
