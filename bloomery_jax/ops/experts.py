@@ -79,7 +79,8 @@ def moe_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate, up, d
       experts: int32 ``[N, k]`` chosen experts.
       weights: float32 ``[N, k]`` their weights.
       gate, up: QTensor or array ``[E, F, D]``; down: ``[E, D, F]`` (F expert hidden size).
-      act_rounding: ``"none"`` or ``"ggml-cpu"`` (see ``ops/actquant.py``).
+      act_rounding: one of ``ops.actquant.ACT_ROUNDINGS`` (``"ggml-cuda"`` and ``"q8-decode"`` take the integer-dot
+        GEMVs at decode on "ggml"-layout weights, which round x in the launch).
       precision: the grouped GEMM's tensor-core precision (``pallas.moe_gemm``; packed weights only).
       norm: None, or ``(weight [D], eps)``: the experts read ``ops.norms.rms_norm(x, weight, eps)``
         (the decode GEMV forms it in its gate/up launch; other paths first).

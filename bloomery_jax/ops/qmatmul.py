@@ -60,7 +60,8 @@ def qmatmul(x: jax.Array, w, act_rounding: str = "none", precision: str = "tf32x
     Args:
       x: float ``[..., K]``.
       w: QTensor, PackedWeight or array ``[N, K]``.
-      act_rounding: ``"none"`` or ``"ggml-cpu"`` (round ``x`` as llama.cpp's CPU backend).
+      act_rounding: one of ``ops.actquant.ACT_ROUNDINGS`` (``"ggml-cpu"``: round ``x`` as llama.cpp's CPU backend;
+        ``"ggml-cuda"`` and ``"q8-decode"``: the integer-dot GEMV at decode, see above).
       precision: a PackedWeight's product for more than ``GEMV_MAX_ROWS`` rows (see above).
     Returns:
       float32 ``[..., N]``.
