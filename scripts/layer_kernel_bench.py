@@ -115,28 +115,25 @@ def family(name: str, dims: dict, rng, max_copies: int):
     file names it and as ``current_pick`` looks it up)."""
     d, k = dims["hidden"], dims["top_k"]
     x = jnp.asarray(rng.standard_normal((1, d)), jnp.float32)
-    if name in ("qkv", "qkv_q8", "o", "o_q8", "output", "output_q8"):
-        if name in ("o", "o_q8"):  # the attention output projection: x is the attention's [1, Hq * Dh]
-            layout = "ggml" if name == "o_q8" else "planes"
-            x = jnp.asarray(rng.standard_normal((1, dims["q_rows"])), jnp.float32)
-            ws = packed(T.Q4_K, (d, dims["q_rows"]), rng, layout)
-            key = ("single", "q8" if layout == "ggml" else "planes", "Q4_K", d, dims["q_rows"])
-            one_gemv = qgemv_q8 if layout == "ggml" else qgemv
-            one = lambda cfg: lambda x, w: (one_gemv(x, w, config=cfg, interpret=INTERP),)  # noqa: E731
-        elif name.startswith("qkv"):
-            layout = "ggml" if name == "qkv_q8" else "planes"
+    base = name.removesuffix("_q8")
+    if base in ("qkv", "o", "output"):
+        q8 = name.endswith("_q8")
+        layout, tuning = ("ggml", "q8") if q8 else ("planes", "planes")
+        if base == "qkv":
             ws = (packed(T.Q4_K, (dims["q_rows"], d), rng, layout), packed(T.Q4_K, (dims["kv_rows"], d), rng, layout),
                   packed(T.Q6_K, (dims["kv_rows"], d), rng, layout))
             norm = jnp.asarray(rng.uniform(0.5, 2, d), jnp.float32)
-            key = ("many", "q8" if layout == "ggml" else "planes", [(T(w.qtype).name, w.shape[0]) for w in ws], d)
-            many = qgemv_q8_many if layout == "ggml" else qgemv_many
+            key = ("many", tuning, [(T(w.qtype).name, w.shape[0]) for w in ws], d)
+            many = qgemv_q8_many if q8 else qgemv_many
             one = lambda cfg: lambda x, w: many(x, w, norm=norm, eps=1e-6, config=cfg, interpret=INTERP)  # noqa: E731
-        else:
-            layout = "ggml" if name == "output_q8" else "planes"
-            ws = packed(T.Q6_K, (dims["vocab"], d), rng, layout)
-            key = ("single", "q8" if layout == "ggml" else "planes", "Q6_K", dims["vocab"], d)
-            one_gemv = qgemv_q8 if layout == "ggml" else qgemv
-            one = lambda cfg: lambda x, w: (one_gemv(x, w, config=cfg, interpret=INTERP),)  # noqa: E731
+        else:  # one weight [N, K]: the attention output projection (x: the attention's [1, Hq * Dh]) or the head
+            qtype, n, width = (T.Q4_K, d, dims["q_rows"]) if base == "o" else (T.Q6_K, dims["vocab"], d)
+            if base == "o":
+                x = jnp.asarray(rng.standard_normal((1, width)), jnp.float32)
+            ws = packed(qtype, (n, width), rng, layout)
+            key = ("single", tuning, qtype.name, n, width)
+            gemv = qgemv_q8 if q8 else qgemv
+            one = lambda cfg: lambda x, w: (gemv(x, w, config=cfg, interpret=INTERP),)  # noqa: E731
         nbytes = sum(w.nbytes for w in jax.tree_util.tree_leaves(ws))
         sets = copies(ws, n_copies(nbytes, max_copies))
 
