@@ -231,6 +231,19 @@ def compile_kernels(monkeypatch):
             monkeypatch.setattr(module, "interpret_kernels", lambda: False)
 
 
+def step_kernels(model, monkeypatch, tokens, positions) -> list:
+    """``triton_kernels`` of one qwen3moe step of ``model`` (tokens and positions int32 [1, T])
+    on an empty 64-slot cache, its Pallas calls lowered for an H200 (compile_kernels)."""
+    from bloomery_jax.models import qwen3moe
+    from triton_lowering import triton_kernels
+
+    compile_kernels(monkeypatch)
+    step = lambda params, tokens, positions, cache, placement: qwen3moe.forward(  # noqa: E731
+        params, model.cfg, tokens, positions, cache, placement)
+    return triton_kernels(monkeypatch, step, model.params, tokens, positions, qwen3moe.init_cache(model.cfg, 1, 64),
+                          model.placement)
+
+
 @pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
 def test_decode_step_lowers_to_triton_for_h200(q4km, monkeypatch):
     """The whole one-token step of the GPU configuration (pallas kernels, attention and routing,
@@ -239,26 +252,16 @@ def test_decode_step_lowers_to_triton_for_h200(q4km, monkeypatch):
     prefill step likewise."""
     import jax.numpy as jnp
 
-    from bloomery_jax.models import qwen3moe
-    from triton_lowering import triton_kernels
-
     model = load_model(q4km, kernels="pallas", attention="pallas", routing="pallas")
-    compile_kernels(monkeypatch)
-    cache = qwen3moe.init_cache(model.cfg, 1, 64)
-    step = lambda params, tokens, positions, cache, placement: qwen3moe.forward(  # noqa: E731
-        params, model.cfg, tokens, positions, cache, placement)
-    built = triton_kernels(monkeypatch, step, model.params, jnp.zeros((1, 1), jnp.int32), jnp.full((1, 1), 5, jnp.int32),
-                           cache, model.placement)
+    built = step_kernels(model, monkeypatch, jnp.zeros((1, 1), jnp.int32), jnp.full((1, 1), 5, jnp.int32))
     names = {name for name, _, _ in built}
     assert {"qgemv_many", "decode_qk_prep", "decode_attention", "router_logits", "route_topk", "moe_gemv_many"} <= names, names
     assert all(cc == 90 and ok for _, cc, ok in built)
     # a 16-token prefill step: flash attention from the cache, the grouped expert GEMM
-    built = triton_kernels(monkeypatch, step, model.params, jnp.zeros((1, 16), jnp.int32),
-                           jnp.arange(16, dtype=jnp.int32)[None], cache, model.placement)
+    built = step_kernels(model, monkeypatch, jnp.zeros((1, 16), jnp.int32), jnp.arange(16, dtype=jnp.int32)[None])
     names = {name for name, _, _ in built}
     assert "prefill_attention" in names and any(n.startswith("moe_gemm") for n in names), names
     assert all(cc == 90 and ok for _, cc, ok in built)
-
 
 
 @pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
@@ -266,15 +269,11 @@ def test_q8_decode_step_lowers_to_triton_for_h200(q4km, monkeypatch):
     """kernels=pallas-q8's one-token step for an H200: every quantized product a q8 launch that
     rounds its own input to Q8_1 (q/k/v and gate/up with the norm, down with SwiGLU), so the
     step makes no launch of the planes kernels and traces no ``quantize_q8_1``."""
-    import jax
     import jax.numpy as jnp
 
-    from bloomery_jax.models import qwen3moe
     from bloomery_jax.ops import actquant, experts, qmatmul
-    from triton_lowering import triton_kernels
 
     model = load_model(q4km, kernels="pallas-q8", attention="pallas", routing="pallas")
-    compile_kernels(monkeypatch)
 
     def no_rounding_launch(x):
         raise AssertionError("the q8 step rounded activations outside its kernels")
@@ -282,11 +281,7 @@ def test_q8_decode_step_lowers_to_triton_for_h200(q4km, monkeypatch):
     for module in (actquant, experts, qmatmul):  # wherever the name is bound
         if hasattr(module, "quantize_q8_1"):
             monkeypatch.setattr(module, "quantize_q8_1", no_rounding_launch)
-    cache = qwen3moe.init_cache(model.cfg, 1, 64)
-    step = lambda params, tokens, positions, cache, placement: qwen3moe.forward(  # noqa: E731
-        params, model.cfg, tokens, positions, cache, placement)
-    built = triton_kernels(monkeypatch, step, model.params, jnp.zeros((1, 1), jnp.int32), jnp.full((1, 1), 5, jnp.int32),
-                           cache, model.placement)
+    built = step_kernels(model, monkeypatch, jnp.zeros((1, 1), jnp.int32), jnp.full((1, 1), 5, jnp.int32))
     names = {name for name, _, _ in built}
     assert {"qgemv_q8_many", "decode_qk_prep", "moe_gemv_q8_many"} <= names, names
     assert any(n.startswith("moe_gemv_q8_q") for n in names) and any(n.startswith("qgemv_q8_q") for n in names), names
