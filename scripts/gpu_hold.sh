@@ -34,6 +34,7 @@
 #           (q8_rounding_check.py: plain x must agree bit for bit), the decode layer's launches as picked (layer_kernel_bench.py
 #           --current-only: planes, q8 rounding in-kernel, q8 after a rounding launch), our card
 #           bench under KERNELS (run it with KERNELS=pallas-q8), then llama-bench all on the card
+#           (CHECK=0: no rounding check; LKB_SWEEP=1: the families' sweeps, LKB_BUDGET seconds)
 #   prefill the card bench with the prefill products on quant tiles with x in one bf16 part
 #           (pallas-bf16, the default) and in two (pallas-qtiles), time left pallas-q8 and the
 #           8-layer pp512 profile
@@ -103,9 +104,13 @@ trace)
   ;;
 q8)
   bash scripts/start_builds.sh
-  taskset -c 13-15 timeout 120 python3 scripts/q8_rounding_check.py --json "$RES/q8_rounding_check.json" > "$RES/q8_rounding_check.txt" 2>&1
-  echo "q8_rounding_check rc=$?"; cut -c1-150 "$RES/q8_rounding_check.txt" | grep -v Warning
-  taskset -c 13-15 timeout 220 python3 scripts/layer_kernel_bench.py --current-only --budget-s 200 --json "$RES/layer_kernels.json" \
+  if [ "${CHECK:-1}" = 1 ]; then
+    taskset -c 13-15 timeout 120 python3 scripts/q8_rounding_check.py --json "$RES/q8_rounding_check.json" > "$RES/q8_rounding_check.txt" 2>&1
+    echo "q8_rounding_check rc=$?"; cut -c1-150 "$RES/q8_rounding_check.txt" | grep -v Warning
+  fi
+  # LKB_SWEEP=1: each family's sweep too (its winners in tuned.json), not only the current picks
+  [ "${LKB_SWEEP:-0}" = 1 ] && LKB_MODE="--tuned-out $RES/tuned.json" || LKB_MODE=--current-only
+  taskset -c 13-15 timeout $((${LKB_BUDGET:-200} + 20)) python3 scripts/layer_kernel_bench.py $LKB_MODE --budget-s ${LKB_BUDGET:-200} --json "$RES/layer_kernels.json" \
     --families ${LKB_FAMILIES:-gate_up,gate_up_q8,gate_up_q8_pre,down,down_q8,down_q8_pre,qkv,qkv_q8} > "$RES/layer_kernels.txt" 2>&1
   cut -c1-100 "$RES/layer_kernels.txt"
   pack

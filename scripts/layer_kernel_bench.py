@@ -15,9 +15,13 @@ of ``GemvConfig`` variants, the first being what the code picks today (``pick_co
            ``kernels=pallas-q8``) as the step makes them: on float x, each program rounding its
            own blocks to Q8_1 (down: of SwiGLU formed from gate and up side by side; q/k/v: of
            the normed x)
-  gate_up_q8_pre, down_q8_pre
+  gate_up_q8_pre, down_q8_pre, output_q8_pre
            the twentieth session's form: a Q8_1 rounding launch before the launch (down: of
-           ``silu(g) * u``), timed together
+           ``silu(g) * u``), timed together (output_q8 rounds in every program, whatever
+           ``qgemv_q8``'s rule would pick)
+  router   ``route.router_logits(x, norm, eps, w)``: the router's F32 [128, 2048] with the
+           norm formed in-kernel; the config's block_n is its block_e and num_warps its warps
+           (its other fields unused; not written to --tuned-out)
 
 Timing: one jitted call makes the launch R times back to back, each on its own weight copy (the
 dense families, enough copies to outgrow the 60 MB L2) or its own set of 8 random experts (the
@@ -58,6 +62,7 @@ from bloomery_jax.pallas.moe_gemv import moe_gemv, moe_gemv_many  # noqa: E402
 from bloomery_jax.pallas.qgemv import qgemv, qgemv_many  # noqa: E402
 from bloomery_jax.pallas.qgemv_q8 import moe_gemv_q8, moe_gemv_q8_many, qgemv_q8, qgemv_q8_many  # noqa: E402
 from bloomery_jax.pallas.qgemv_tuned import GemvConfig as C, pick_config, pick_many_config  # noqa: E402
+from bloomery_jax.pallas.route import router_logits  # noqa: E402
 from bloomery_jax.quant.repack import repack  # noqa: E402
 from bloomery_jax.synth.blocks import random_blocks  # noqa: E402
 
@@ -90,6 +95,11 @@ _Q8 = [C(32, 1, 2, 3, 4), C(32, 1, 4, 3, 4), C(32, 1, 4, 3, 2), C(16, 1, 2, 3, 4
        C(128, 1, 4, 3, 4), C(128, 1, 8, 3, 2), C(64, 1, 4, 3, 8), C(64, 1, 2, 3, 8)]
 SWEEPS["output_q8"] = [C(64, 1, 4, 3, 1), C(128, 1, 4, 3, 1), C(128, 1, 8, 3, 1), C(64, 1, 2, 3, 1), C(32, 1, 2, 3, 1),
                        C(64, 1, 8, 3, 1), C(128, 1, 4, 3, 2), C(32, 1, 4, 3, 1)]
+SWEEPS["output_q8_pre"] = SWEEPS["output_q8"]
+# router_logits: (block_e, -, warps, stages, -); the current pick is ROUTER_PICK
+ROUTER_PICK = C(4, 1, 4, 2, 1)
+SWEEPS["router"] = [C(1, 1, 1, 2, 1), C(1, 1, 2, 2, 1), C(2, 1, 2, 2, 1), C(2, 1, 4, 2, 1), C(1, 1, 4, 2, 1),
+                    C(8, 1, 4, 2, 1), C(8, 1, 8, 2, 1), C(4, 1, 2, 2, 1)]
 SWEEPS.update(gate_up_q8=_Q8, down_q8=_Q8, down_q4k_q8=_Q8, gate_up_q8_pre=_Q8, down_q8_pre=_Q8, o_q8=_Q8,
               qkv_q8=[C(128, 1, 4, 3, 4), C(128, 1, 8, 3, 2), C(64, 1, 4, 3, 8), C(128, 1, 4, 3, 8), C(64, 1, 8, 3, 4),
                       C(32, 1, 4, 3, 8), C(16, 1, 2, 3, 8)])
@@ -115,9 +125,19 @@ def family(name: str, dims: dict, rng, max_copies: int):
     file names it and as ``current_pick`` looks it up)."""
     d, k = dims["hidden"], dims["top_k"]
     x = jnp.asarray(rng.standard_normal((1, d)), jnp.float32)
-    base = name.removesuffix("_q8")
+    if name == "router":
+        w = jnp.asarray(rng.standard_normal((dims["experts"], d)) * WEIGHT_STD, jnp.float32)
+        norm = jnp.asarray(rng.uniform(0.5, 2, d), jnp.float32)
+        sets = copies(w, n_copies(w.nbytes, max_copies))
+
+        def launch(cfg):
+            return jax.jit(lambda x, sets: [(router_logits(x, norm, 1e-6, w, block_e=cfg.block_n, num_warps=cfg.num_warps,
+                                                          interpret=INTERP),) for w in sets])
+        return launch, (x, sets), w.nbytes, None
+    pre = name.endswith("_pre")  # the Q8_1 rounding in a launch of its own first
+    base = name.removesuffix("_pre").removesuffix("_q8")
     if base in ("qkv", "o", "output"):
-        q8 = name.endswith("_q8")
+        q8 = "_q8" in name
         layout, tuning = ("ggml", "q8") if q8 else ("planes", "planes")
         if base == "qkv":
             ws = (packed(T.Q4_K, (dims["q_rows"], d), rng, layout), packed(T.Q4_K, (dims["kv_rows"], d), rng, layout),
@@ -132,8 +152,12 @@ def family(name: str, dims: dict, rng, max_copies: int):
                 x = jnp.asarray(rng.standard_normal((1, width)), jnp.float32)
             ws = packed(qtype, (n, width), rng, layout)
             key = ("single", tuning, qtype.name, n, width)
-            gemv = qgemv_q8 if q8 else qgemv
-            one = lambda cfg: lambda x, w: (gemv(x, w, config=cfg, interpret=INTERP),)  # noqa: E731
+            if not q8:
+                one = lambda cfg: lambda x, w: (qgemv(x, w, config=cfg, interpret=INTERP),)  # noqa: E731
+            elif pre:
+                one = lambda cfg: lambda x, w: (qgemv_q8(quantize_q8_1(x), w, config=cfg, interpret=INTERP),)  # noqa: E731
+            else:
+                one = lambda cfg: lambda x, w: (qgemv_q8(x, w, config=cfg, round_first=False, interpret=INTERP),)  # noqa: E731
         nbytes = sum(w.nbytes for w in jax.tree_util.tree_leaves(ws))
         sets = copies(ws, n_copies(nbytes, max_copies))
 
@@ -144,7 +168,6 @@ def family(name: str, dims: dict, rng, max_copies: int):
     e, f_rows = dims["experts"], dims["ff"]
     n_sets = max(1, min(max_copies, 16))
     experts = [jnp.asarray(rng.permutation(e)[:k], jnp.int32) for _ in range(n_sets)]  # [P] each, one token
-    pre = name.endswith("_pre")  # the Q8_1 rounding in a launch of its own first
     q8 = name.endswith("_q8") or pre
     layout = "ggml" if q8 else "planes"
     if name.startswith("gate_up"):
@@ -241,7 +264,7 @@ def main(argv=None) -> int:
             if a.json:
                 with open(a.json, "w") as f:
                     json.dump(out, f, indent=1)
-        if a.tuned_out:
+        if a.tuned_out and key is not None:
             winner = pick_winner([r for r in out["results"] if r["family"] == name], a.margin)
             if winner is not None:
                 tuned[key[0]].append([*key[1:], winner])
@@ -250,8 +273,10 @@ def main(argv=None) -> int:
     return 0
 
 
-def current_pick(key: tuple) -> C:
-    """What the code picks today for a launch ``key`` (``family``'s)."""
+def current_pick(key: tuple | None) -> C:
+    """What the code picks today for a launch ``key`` (``family``'s; None: the router)."""
+    if key is None:
+        return ROUTER_PICK
     return (pick_config if key[0] == "single" else pick_many_config)(*key[1:])
 
 

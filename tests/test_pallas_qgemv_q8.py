@@ -362,6 +362,20 @@ def test_swiglu_halves_rounded_in_kernel(qtype):
     assert ratios(y, xa, w64[wrong], mag[ex], qtype, k, CFG, _flip_allowance(h, w64[wrong])).max() > 1.0
 
 
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_round_first_gives_the_same_output(qtype):
+    """Float x rounded in every program (round_first=False), in a launch of its own first (True,
+    as the output head's many programs take it) and handed over as quantize_q8_1's blocks: the
+    same blocks, the same sums in the same order, so the same bits."""
+    rng = np.random.default_rng(int(qtype) + 90)
+    n, k = 32, 512
+    pw = repack(weight(qtype, n, k, rng), qtype, (n, k), "ggml")
+    x = jnp.asarray(rng.standard_normal((3, k)), jnp.float32)
+    in_programs = np.asarray(qgemv_q8(x, pw, config=CFG, round_first=False, interpret=True))
+    np.testing.assert_array_equal(np.asarray(qgemv_q8(x, pw, config=CFG, round_first=True, interpret=True)), in_programs)
+    np.testing.assert_array_equal(np.asarray(qgemv_q8(quantize_q8_1(x), pw, config=CFG, interpret=True)), in_programs)
+
+
 def test_float_x_bad_inputs_raise():
     from bloomery_jax.pallas.qgemv_q8 import qgemv_q8_many
 

@@ -47,7 +47,7 @@ from gguf import GGMLQuantizationType as T
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ..ops.actquant import Q8Act
+from ..ops.actquant import Q8Act, quantize_q8_1
 from ..quant.repack import PackedWeight
 from .moe_gemv import _ExpertView, _operands, _SwigluRows, expert_index
 from .qgemv import (_k4_scales, _largest_divisor, _NormedRows, _q6_scale, _weight_operands, add_partials, many_operands,
@@ -58,6 +58,10 @@ F32 = jnp.float32
 LOW = 0x0F0F0F0F  # the low nibble of each byte
 I2F_MAGIC = 0x4B400000  # f32 bits of 1.5 * 2^23: adding an int below 2^22 in magnitude stays exact
 I2F_OFFSET = 12582912.0  # 1.5 * 2^23
+# programs of a dense launch above which float x is rounded in a launch of its own first: each
+# program rounds the blocks of x its K range needs, so the output head's ~2,400 programs would
+# round the same 64 blocks ~1,200 times over (one XLA launch rounds them once)
+ROUND_FIRST_PROGRAMS = 512
 __all__ = ["moe_gemv_q8", "moe_gemv_q8_many", "qgemv_q8", "qgemv_q8_many", "rounding_depth"]
 
 
@@ -403,8 +407,9 @@ def _dense_kernel(*refs, source: _XSource, qtype, per_program: int, interpret: b
     _body(xs, w_refs, store, qtype=qtype, bn=o_ref.shape[2], per_program=per_program, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def qgemv_q8(x, w: PackedWeight, *, config: GemvConfig | None = None, interpret: bool = False) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("config", "round_first", "interpret"))
+def qgemv_q8(x, w: PackedWeight, *, config: GemvConfig | None = None, round_first: bool | None = None,
+             interpret: bool = False) -> jax.Array:
     """``x @ W^T`` for up to 8 activation rows on integer dot products, float32.
 
     Args:
@@ -413,6 +418,9 @@ def qgemv_q8(x, w: PackedWeight, *, config: GemvConfig | None = None, interpret:
       w: ggml-layout PackedWeight ``[N, K]`` (Q8_0, Q4_K, Q5_K or Q6_K).
       config: launch parameters (``block_n``, ``num_warps``, ``num_stages``, ``split_k``;
         ``chunks_per_step`` is unused); None picks ``pick_config("q8", ...)``.
+      round_first: for float x, round it with ``quantize_q8_1`` before the launch (True) or in
+        every program (False); None: first where the launch has more than
+        ``ROUND_FIRST_PROGRAMS`` programs. The output is the same either way.
       interpret: Pallas interpreter with the dp4a emulation (CPU tests).
     Returns:
       float32 ``[B, N]``.
@@ -424,6 +432,10 @@ def qgemv_q8(x, w: PackedWeight, *, config: GemvConfig | None = None, interpret:
         raise ValueError(f"qgemv_q8: x must hold [B<=8, {k}] activations, got [{rows}, {width}]")
     cfg = config or pick_config("q8", qtype.name, n, k)
     bn, per_program, split = _launch(qtype, n, k, cfg)
+    if round_first is None:
+        round_first = split * (n // bn) > ROUND_FIRST_PROGRAMS
+    if round_first and not isinstance(x, Q8Act):
+        x = quantize_q8_1(x)
     arrays, specs = _weight_operands(w, bn)  # the planes kernel's fields and specs: same order, same grid
     xo = _x_operands(x, "qgemv_q8", k, rows, _ALL_ROWS)
     return add_partials(_call(

@@ -185,8 +185,8 @@ def _logits_kernel(x_ref, n_ref, w_ref, o_ref, *, eps: float, chunk: int):
         o_ref[b, :] = jnp.sum(acc, axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "block_e", "interpret"))
-def router_logits(x: jax.Array, norm: jax.Array, eps: float, w: jax.Array, *, block_e: int = 4,
+@functools.partial(jax.jit, static_argnames=("eps", "block_e", "num_warps", "interpret"))
+def router_logits(x: jax.Array, norm: jax.Array, eps: float, w: jax.Array, *, block_e: int = 4, num_warps: int = 4,
                   interpret: bool = False) -> jax.Array:
     """``ops.norms.rms_norm(x, norm, eps) @ w.T`` in one launch (module docstring).
 
@@ -199,6 +199,7 @@ def router_logits(x: jax.Array, norm: jax.Array, eps: float, w: jax.Array, *, bl
       norm: float ``[D]``, the RMS-norm weight; eps its epsilon.
       w: float32 ``[E, D]``, the router weight (``router_logits_serves``).
       block_e: experts a program (a power of two dividing E; lowered until it does).
+      num_warps: warps a program.
       interpret: run with the Pallas interpreter (CPU tests).
     Returns:
       float32 ``[N, E]``.
@@ -217,7 +218,7 @@ def router_logits(x: jax.Array, norm: jax.Array, eps: float, w: jax.Array, *, bl
         in_specs=[pl.BlockSpec((n_rows, d), lambda j: (0, 0)), pl.BlockSpec((d,), lambda j: (0,)),
                   pl.BlockSpec((block_e, d), lambda j: (j, 0))],
         out_specs=pl.BlockSpec((n_rows, block_e), lambda j: (0, j)),
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
         interpret=interpret,
         name="router_logits",
     )(x.astype(F32), norm.astype(F32), w)
