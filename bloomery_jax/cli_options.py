@@ -18,7 +18,7 @@ KERNELS_HELP = ("card matmuls: reference (jnp dequantize + matmul), pallas (GPU 
                 "one bf16 part: faster, x rounded to bf16, finer than llama.cpp's Q8_1 rows), pallas-q8 "
                 "(activations rounded to Q8_1 as llama.cpp's CUDA backend does; integer dot products at decode, int8 "
                 "tiles at prefill), pallas-q8-bf16 (its integer dot products at decode, pallas-bf16's tiles at prefill) "
-                "or auto: pallas-bf16 on a GPU (default auto)")
+                "or auto: pallas-q8-bf16 on a GPU (default auto)")
 
 
 ATTENTION_HELP = ("attention: xla (jnp; on the GPU each layer's cache is copied out and attended "

@@ -17,7 +17,7 @@ import gin
 from .errors import ConfigError
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
-KERNELS = ("reference", "pallas", "pallas-tf32", "pallas-qtiles", "pallas-bf16", "pallas-q8", "pallas-q8-bf16", "auto")  # auto: pallas-bf16 on a GPU (models.loader.resolve_kernels)
+KERNELS = ("reference", "pallas", "pallas-tf32", "pallas-qtiles", "pallas-bf16", "pallas-q8", "pallas-q8-bf16", "auto")  # auto: pallas-q8-bf16 on a GPU (models.loader.resolve_kernels)
 KV_DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION = ("xla", "pallas", "auto")  # attention; auto: pallas on a GPU where the model has it (load_model)
 ROUTING = ("xla", "pallas", "auto")  # MoE routing; auto: as attention
@@ -31,7 +31,7 @@ class RuntimeSettings:
     max_context: int = 4096  # tokens per sequence in the KV cache
     ubatch: int = 512  # prefill tokens per step
     parallel: int = 1  # sequences decoded together
-    kernels: str = "auto"  # reference: jnp dequantize+matmul; pallas: GPU kernels; auto: pallas-bf16 on a GPU
+    kernels: str = "auto"  # reference: jnp dequantize+matmul; pallas: GPU kernels; auto: pallas-q8-bf16 on a GPU
     placement: str = "card"  # placement rule string (see bloomery_jax.placement)
     kv_dtype: str = "float32"
     weights: str = "auto"  # card weights: blocks | f32 | auto (models.loader.load_model)

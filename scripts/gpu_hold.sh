@@ -57,10 +57,11 @@ pack() { tar czf "$OUT/$call.tgz" -C "$RES" .; }  # also between runs, where a c
 # team's helpers spin N us after a call (0: they sleep at once; default 20000); -tN: N Numba
 # threads; -gompNk: OpenMP's workers spin N thousand times after a region (default 10k); -pfN:
 # the host prefetch hint N bytes ahead (default 2304); -partsN: N shares a thread in one region;
-# -plain: the team without its threads' one-thread regions.
+# -plain: the team without its threads' one-thread regions (team-plain: the engine's default since
+# the twenty-ninth session; team alone is the team with those regions).
 # Compared with llama.cpp where this call ran it.
 bench_as() {
-  local v=$1 place=$2 vars=(BLOOMERY_HOST_TEAM=0 BLOOMERY_HOST_REGIONS=2)  # the defaults, whatever the caller exported
+  local v=$1 place=$2 vars=(BLOOMERY_HOST_TEAM=0 BLOOMERY_HOST_REGIONS=2 BLOOMERY_HOST_TEAM_PLAIN=0)  # whatever the caller exported
   case $v in team*) vars+=(BLOOMERY_HOST_TEAM=1) ;; r1*) vars+=(BLOOMERY_HOST_REGIONS=1) ;; esac
   [[ $v =~ -spin([0-9]+) ]] && vars+=(BLOOMERY_HOST_TEAM_SPIN_US=${BASH_REMATCH[1]})
   [[ $v =~ -t([0-9]+) ]] && vars+=(NUMBA_NUM_THREADS=${BASH_REMATCH[1]})

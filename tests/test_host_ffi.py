@@ -28,9 +28,9 @@ from bloomery_jax.models.loader import load_model
 from bloomery_jax.models.qwen3moe import forward
 
 
-def _bridges(names, threads):
+def _bridges(names, threads, team=None):
     layers = {3 * i + 1: _layer(name) for i, name in enumerate(names)}
-    return HostBridge(layers, threads), FfiHostBridge(layers, threads)
+    return HostBridge(layers, threads), FfiHostBridge(layers, threads, team=team)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -167,8 +167,9 @@ def test_dynamic_chunks_give_the_same_result(monkeypatch):
 
 def test_counts_calls_pairs_and_time():
     """Also the kernel's tick spans, in the record's TICKS_* words: a whole call holds its regions,
-    and a region its wait for the workers and its join."""
-    _, ffi = _bridges(["Q8_0"], 2)
+    and a region its wait for the workers and its join (the Numba kernel's: the team's are
+    test_host_team_matches_the_callback_bridge_bit_for_bit's)."""
+    _, ffi = _bridges(["Q8_0"], 2, team=False)
     rng = np.random.default_rng(1)
     x, experts, weights = _routing(rng, 4, 2)
     on_host = np.arange(E) % 2 == 0
@@ -308,13 +309,29 @@ def test_overlap_comes_from_the_argument_then_the_environment(monkeypatch):
         resolve_overlap(None)
 
 
+def test_team_comes_from_the_argument_then_the_environment(monkeypatch):
+    """The host team is on by default where the threading layer runs it (this process's omp or
+    tbb), and ``$BLOOMERY_HOST_TEAM`` or the argument turn it off."""
+    from bloomery_jax.host.ffi import _threading_layer, resolve_team
+
+    monkeypatch.delenv("BLOOMERY_HOST_TEAM", raising=False)
+    assert resolve_team(None) is (_threading_layer() != "workqueue") and resolve_team(False) is False
+    monkeypatch.setenv("BLOOMERY_HOST_TEAM", "0")
+    assert resolve_team(None) is False
+    monkeypatch.setenv("BLOOMERY_HOST_TEAM", "on")
+    with pytest.raises(ConfigError, match="BLOOMERY_HOST_TEAM='on'"):
+        resolve_team(None)
+
+
 def test_host_team_refuses_the_workqueue_layer():
     """The host team's threads each start a Numba parallel region at once, which the workqueue
-    threading layer cannot run: asking for the team there is a ConfigError, and off still works."""
+    threading layer cannot run: asking for the team there is a ConfigError, off still works, and
+    by default the team is off there."""
     code = ("from bloomery_jax.host.ffi import resolve_team\n"
-            "assert resolve_team(False) is False\n"
+            "assert resolve_team(False) is False and resolve_team(None) is False\n"
             "try:\n    resolve_team(True)\nexcept Exception as e:\n    print(type(e).__name__, e)\n")
     env = dict(os.environ, NUMBA_THREADING_LAYER="workqueue")
+    env.pop("BLOOMERY_HOST_TEAM", None)
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.startswith("ConfigError") and "workqueue" in run.stdout

@@ -221,6 +221,22 @@ def test_q8_kernels_match_reference_with_cuda_rounding(q4km, kernels, n_tokens, 
     assert np.abs(exact - ref).max() > 10 * TOL * std
 
 
+def test_q8_bf16_decode_beside_host_experts(q4km):
+    """pallas-q8-bf16 (the GPU's default kernels) with layer 0's experts on the host: layer 1's q8
+    launches take their card slots from the placement, layer 0's experts run on the host (f32
+    activations: their own rounding is tests/test_hybrid.py's), against the reference with the same
+    placement and the llama.cpp CUDA rounding of the card's products; tolerances as above."""
+    ids = tokens(10, seed=4)
+    model = load_model(q4km, kernels="pallas-q8-bf16", place="n-cpu-moe=1", host_act="f32")
+    assert model.params["blk.0.ffn_gate_exps.weight"].shape[0] == 0
+    ref = sequence_logits(load_model(q4km, kernels="reference", place="n-cpu-moe=1", host_act="f32"), ids, ubatch=1,
+                          act_rounding="ggml-cuda")
+    got = sequence_logits(model, ids, ubatch=1)
+    err, std = np.abs(got - ref).max(axis=1), ref.std()  # [positions]
+    assert np.mean(err <= TOL * std) >= Q8_MIN_EXACT and err.max() <= Q8_FLIP_TOL * std
+    np.testing.assert_array_equal(got.argmax(-1), ref.argmax(-1))
+
+
 def compile_kernels(monkeypatch):
     """Make the model's Pallas calls lower for a GPU here, not run in the interpreter."""
     import importlib

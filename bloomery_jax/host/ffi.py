@@ -165,14 +165,20 @@ TEAM_TOKENS = 8
 def resolve_team(team: bool | None) -> bool:
     """Whether decode-sized host calls run on ``ffi_bridge.cc``'s host team (threads that stay
     awake between calls, no parallel region's fork and join) rather than in the Numba parallel
-    kernel: ``team``, else ``$BLOOMERY_HOST_TEAM`` ("1" or "0"), else off: on H100 hosts its
-    calls ran 1.3-1.6x longer than two regions' (twenty-second session, docs/LOG.md), though on
-    one thread they cost the same. The same bits either way. ``$BLOOMERY_HOST_TEAM_SPIN_US``
-    (default 20000): how long its threads spin after a call before they sleep;
-    ``$BLOOMERY_HOST_TEAM_PLAIN=1``: without the one-thread regions below (ffi_layout.TEAM_PLAIN).
-    Each team thread
-    starts a Numba parallel region of its own (swiglu._share_alone), which the ``workqueue``
-    threading layer cannot run from several threads at once: a ConfigError there."""
+    kernel: ``team``, else ``$BLOOMERY_HOST_TEAM`` ("1" or "0"), else on where the threading
+    layer can run it (below). The same bits either way. The team runs each thread's items in
+    plain calls (``$BLOOMERY_HOST_TEAM_PLAIN``, default 1: ffi_layout.TEAM_PLAIN), which on two
+    H100 hosts decoded n-cpu-moe=36 at 91.1 and 65.8 tok/s against two regions' 79.4 and 58.6
+    (benchmarks/gpu_2026-12-07-s29: wake 1.0-1.5 us and join 0.3-0.5 against 20-36 and 11-20);
+    with ``$BLOOMERY_HOST_TEAM_PLAIN=0`` each thread runs its items in a one-thread Numba region
+    of its own (swiglu._share_alone), which Numba's reference counting had made 1.3-1.6x slower
+    than two regions (twenty-second and twenty-eighth sessions, docs/LOG.md).
+    ``$BLOOMERY_HOST_TEAM_SPIN_US`` (default 20000): how long its threads spin after a call before
+    they sleep. The one-thread regions cannot start from several threads at once on the
+    ``workqueue`` threading layer: there the team is off unless asked for, and asking is a
+    ConfigError."""
+    if team is None and "BLOOMERY_HOST_TEAM" not in os.environ:
+        return _threading_layer() != "workqueue"
     on = _switch(team, "BLOOMERY_HOST_TEAM", "0")
     if on and _threading_layer() == "workqueue":
         raise ConfigError("the host team (BLOOMERY_HOST_TEAM=1) needs Numba's omp or tbb threading layer; this "
@@ -262,7 +268,7 @@ class FfiHostBridge(HostBridge):
                      SET_CHUNKSIZE=_numba_setter("set_parallel_chunksize"), CHUNKSIZE=CHUNKSIZE,
                      SIGNAL=F.SIGNALS.index(self.signal), TEAM=int(self.team), TEAM_FN=team_entry.address,
                      TEAM_TOKENS=TEAM_TOKENS, TEAM_SPIN_US=int(os.environ.get("BLOOMERY_HOST_TEAM_SPIN_US", "20000")),
-                     TEAM_PLAIN=int(_switch(None, "BLOOMERY_HOST_TEAM_PLAIN", "0")))
+                     TEAM_PLAIN=int(_switch(None, "BLOOMERY_HOST_TEAM_PLAIN", "1")))
         if self.signal == "doorbell" and _on_cuda():
             for device in jax.devices("gpu"):
                 self.start_doorbell(device.id)

@@ -178,16 +178,21 @@ def load_model(path: str | os.PathLike, *, device=None, place="card", reserve_by
 
 
 def resolve_kernels(kernels: str, device=None) -> str:
-    """The kernels of a ``kernels`` setting: itself, or for "auto" pallas-bf16 on a GPU (the pallas
-    kernels with quant tiles and bf16 activations for the prefill products: on the H100 at 512
-    tokens a 30B layer's experts took 0.95 ms, against 1.42 with x in two bf16 parts and 2.49 on
-    f32 tiles, at 8e-3 relative error, where llama.cpp's Q8_1 arithmetic gives 1.2e-2;
-    benchmarks/gpu_2026-12-05-s14 and -s16), else reference."""
+    """The kernels of a ``kernels`` setting: itself, or for "auto" pallas-q8-bf16 on a GPU, else
+    reference. pallas-q8-bf16 decodes on integer dot products over Q8_1-rounded activations, as
+    llama.cpp's CUDA backend does, and prefills on quant tiles with bf16 activations (on the H100
+    at 512 tokens a 30B layer's experts took 0.95 ms, against 1.42 with x in two bf16 parts and
+    2.49 on f32 tiles, at 8e-3 relative error, where llama.cpp's Q8_1 arithmetic gives 1.2e-2;
+    benchmarks/gpu_2026-12-05-s14 and -s16). On the 30B-shaped file beside llama.cpp on two H100
+    machines (benchmarks/gpu_2026-12-07-s29) it decoded at 1.095x and 1.094x llama.cpp and
+    prefilled at 0.92x and 0.91x; pallas-bf16 (the planes GEMVs at decode, the same tiles on the
+    planes layout) decoded at 0.91x and prefilled at 1.03x (gpu_2026-12-07-s28). Decode is most
+    of a chat's time, so the default takes the faster decode."""
     if kernels not in KERNELS:
         raise ConfigError(f"kernels={kernels!r}: must be one of {', '.join(KERNELS)}")
     if kernels == "auto":
         platform = (device or jax.devices()[0]).platform
-        return "pallas-bf16" if platform in ("gpu", "cuda") else "reference"
+        return "pallas-q8-bf16" if platform in ("gpu", "cuda") else "reference"
     return kernels
 
 
