@@ -36,7 +36,7 @@
 #           bench under KERNELS (run it with KERNELS=pallas-q8), then llama-bench all on the card
 #           (CHECK=0: no rounding check; LKB_SWEEP=1: the families' sweeps, LKB_BUDGET seconds)
 #   prefill the card bench with the prefill products on quant tiles with x in one bf16 part
-#           (pallas-bf16, the default) and in two (pallas-qtiles), time left pallas-q8 and the
+#           (KERNELS, default pallas-q8-bf16) and in two (pallas-qtiles), time left pallas-q8 and the
 #           8-layer pp512 profile
 #
 #   run: bash scripts/gpu_hold.sh host|probe|team|teamprobe|targets|side|trace|prefill|q8
@@ -45,7 +45,7 @@ call=$1
 OUT=${OUT:-/tmp/gpu_hold_out}
 RES=/tmp/gpu_hold_$call
 mkdir -p "$OUT" "$RES"
-K="--kernels ${KERNELS:-pallas-bf16} --attention pallas --routing pallas"  # the GPU's defaults
+K="--kernels ${KERNELS:-pallas-q8-bf16} --attention pallas --routing pallas"  # the GPU's defaults
 # the trace call's GEMV launch winners on this card (TUNED=0: the committed tables alone)
 [ "${TUNED:-1}" = 1 ] && [ -s /tmp/gemv_tuned.json ] && export BLOOMERY_GEMV_TUNED=/tmp/gemv_tuned.json
 B="python3 scripts/gpu_session.py --out $RES --reps 3 --parallel 1 $K --decode-block 8 --variant-timeout 220"
@@ -214,13 +214,13 @@ host)
   bash scripts/await_builds.sh 330
   ;;
 prefill)
-  # the card bench with the prefill products on quant tiles with x in one bf16 part (pallas-bf16, the
-  # default) and in two (pallas-qtiles) in one call, llama.cpp's card row from the side call; then
+  # the card bench with the prefill products on quant tiles with x in one bf16 part (KERNELS, default
+  # pallas-q8-bf16) and in two (pallas-qtiles) in one call, llama.cpp's card row from the side call; then
   # where an 8-layer pp512 goes
   bash scripts/await_builds.sh 240 || exit 1
   [ "${BASE:-1}" = 1 ] && $B bench --only card  # BASE=0: side's card bench on this warm machine is the base
   F=${B/--out $RES/--out $RES/qtiles}  # x in two bf16 parts (1.42 against 0.95 ms a layer, H100 s14)
-  mkdir -p $RES/qtiles && ${F/--kernels pallas-bf16 /--kernels pallas-qtiles } bench --only card
+  mkdir -p $RES/qtiles && ${F/--kernels ${KERNELS:-pallas-q8-bf16} /--kernels pallas-qtiles } bench --only card
   if [ $SECONDS -lt 330 ]; then  # int8 tile products (and Q8_1 activations everywhere)
     Q=${B/--out $RES/--out $RES/q8}
     mkdir -p $RES/q8 && ${Q/--kernels pallas-bf16 /--kernels pallas-q8 } bench --only card

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One short device call: pp512 of a few layers of the 30B shape with the prefill products on quant
-# tiles with x in one bf16 part (pallas-bf16, q-bf16: the default), in two (pallas-qtiles, q-bf16x2)
+# tiles with x in one bf16 part (pallas-bf16, q-bf16: the default's prefill), in two (pallas-qtiles, q-bf16x2)
 # and on f32 tiles (--kernels pallas, tf32x3), in one call, so the choice of the GPU's prefill
 # default rests on an end-to-end number. Decode is not run
 # (-n 0): the kernels differ only in prefill. Writes <kernels>.jsonl and model.json under $OUT.
