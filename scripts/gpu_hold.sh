@@ -223,7 +223,7 @@ prefill)
   mkdir -p $RES/qtiles && ${F/--kernels ${KERNELS:-pallas-q8-bf16} /--kernels pallas-qtiles } bench --only card
   if [ $SECONDS -lt 330 ]; then  # int8 tile products (and Q8_1 activations everywhere)
     Q=${B/--out $RES/--out $RES/q8}
-    mkdir -p $RES/q8 && ${Q/--kernels pallas-bf16 /--kernels pallas-q8 } bench --only card
+    mkdir -p $RES/q8 && ${Q/--kernels ${KERNELS:-pallas-q8-bf16} /--kernels pallas-q8 } bench --only card
   fi
   if [ $SECONDS -lt 450 ]; then
     timeout 140 python3 scripts/profile_decode.py --model $M8 $K --prefill --prompt 512 --steps 3 \

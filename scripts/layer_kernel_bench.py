@@ -131,8 +131,8 @@ def family(name: str, dims: dict, rng, max_copies: int):
         sets = copies(w, n_copies(w.nbytes, max_copies))
 
         def launch(cfg):
-            return jax.jit(lambda x, sets: [(router_logits(x, norm, 1e-6, w, block_e=cfg.block_n, num_warps=cfg.num_warps,
-                                                          interpret=INTERP),) for w in sets])
+            return jax.jit(lambda x, sets: [(router_logits(x, norm, 1e-6, ws, block_e=cfg.block_n, num_warps=cfg.num_warps,
+                                                          interpret=INTERP),) for ws in sets])
         return launch, (x, sets), w.nbytes, None
     pre = name.endswith("_pre")  # the Q8_1 rounding in a launch of its own first
     base = name.removesuffix("_pre").removesuffix("_q8")
