@@ -62,7 +62,7 @@ from bloomery_jax.pallas.moe_gemv import moe_gemv, moe_gemv_many  # noqa: E402
 from bloomery_jax.pallas.qgemv import qgemv, qgemv_many  # noqa: E402
 from bloomery_jax.pallas.qgemv_q8 import moe_gemv_q8, moe_gemv_q8_many, qgemv_q8, qgemv_q8_many  # noqa: E402
 from bloomery_jax.pallas.qgemv_tuned import GemvConfig as C, pick_config, pick_many_config  # noqa: E402
-from bloomery_jax.pallas.route import router_logits  # noqa: E402
+from bloomery_jax.pallas.route import LOGITS_BLOCK_E, LOGITS_WARPS, router_logits  # noqa: E402
 from bloomery_jax.quant.repack import repack  # noqa: E402
 from bloomery_jax.synth.blocks import random_blocks  # noqa: E402
 
@@ -97,7 +97,7 @@ SWEEPS["output_q8"] = [C(64, 1, 4, 3, 1), C(128, 1, 4, 3, 1), C(128, 1, 8, 3, 1)
                        C(64, 1, 8, 3, 1), C(128, 1, 4, 3, 2), C(32, 1, 4, 3, 1)]
 SWEEPS["output_q8_pre"] = SWEEPS["output_q8"]
 # router_logits: (block_e, -, warps, stages, -); the current pick is ROUTER_PICK
-ROUTER_PICK = C(4, 1, 4, 2, 1)
+ROUTER_PICK = C(LOGITS_BLOCK_E, 1, LOGITS_WARPS, 2, 1)
 SWEEPS["router"] = [C(1, 1, 1, 2, 1), C(1, 1, 2, 2, 1), C(2, 1, 2, 2, 1), C(2, 1, 4, 2, 1), C(1, 1, 4, 2, 1),
                     C(8, 1, 4, 2, 1), C(8, 1, 8, 2, 1), C(4, 1, 2, 2, 1)]
 SWEEPS.update(gate_up_q8=_Q8, down_q8=_Q8, down_q4k_q8=_Q8, gate_up_q8_pre=_Q8, down_q8_pre=_Q8, o_q8=_Q8,

@@ -42,6 +42,9 @@ from .qgemv import _NormedRows
 
 F32 = jnp.float32
 LOGITS_MAX_ROWS = 8  # rows of x router_logits unrolls (a decode step's tokens)
+# router_logits' launch: experts a program and warps (none better at 1-8 of each on an H100,
+# benchmarks/gpu_2026-12-07-s29/call1)
+LOGITS_BLOCK_E, LOGITS_WARPS = 4, 4
 __all__ = ["CardRoute", "route_topk", "router_logits", "router_logits_serves"]
 
 
@@ -186,8 +189,8 @@ def _logits_kernel(x_ref, n_ref, w_ref, o_ref, *, eps: float, chunk: int):
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "block_e", "num_warps", "interpret"))
-def router_logits(x: jax.Array, norm: jax.Array, eps: float, w: jax.Array, *, block_e: int = 4, num_warps: int = 4,
-                  interpret: bool = False) -> jax.Array:
+def router_logits(x: jax.Array, norm: jax.Array, eps: float, w: jax.Array, *, block_e: int = LOGITS_BLOCK_E,
+                  num_warps: int = LOGITS_WARPS, interpret: bool = False) -> jax.Array:
     """``ops.norms.rms_norm(x, norm, eps) @ w.T`` in one launch (module docstring).
 
     Each logit sums D products in chunks of ``chunk`` columns (one accumulator element a column),
