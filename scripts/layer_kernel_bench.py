@@ -13,12 +13,16 @@ of ``GemvConfig`` variants, the first being what the code picks today (``pick_co
   gate_up_q8, down_q8, down_q4k_q8, qkv_q8, o_q8, output_q8
            the same launches on integer dot products (``qgemv_q8``, weights in the "ggml" layout,
            ``kernels=pallas-q8``) as the step makes them: on float x, each program rounding its
-           own blocks to Q8_1 (down: of SwiGLU formed from gate and up side by side; q/k/v: of
-           the normed x)
+           own blocks to Q8_1 (down: of SwiGLU formed from gate and up side by side; q/k/v and,
+           since the thirtieth session, gate/up: of the normed x)
   gate_up_q8_pre, down_q8_pre, output_q8_pre
            the twentieth session's form: a Q8_1 rounding launch before the launch (down: of
            ``silu(g) * u``), timed together (output_q8 rounds in every program, whatever
            ``qgemv_q8``'s rule would pick)
+  gate_up_q8_given, down_q8_given, down_q4k_q8_given, qkv_q8_given, o_q8_given
+           the launch alone on x already rounded to Q8_1 (of the normed x, of SwiGLU) outside
+           the timed call: what the launch costs where the kernel before it leaves its output
+           rounded (the thirtieth session's question)
   router   ``route.router_logits(x, norm, eps, w)``: the router's F32 [128, 2048] with the
            norm formed in-kernel; the config's block_n is its block_e and num_warps its warps
            (its other fields unused; not written to --tuned-out)
@@ -57,6 +61,7 @@ from gguf import GGMLQuantizationType as T
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bloomery_jax.ops.actquant import quantize_q8_1  # noqa: E402
 from bloomery_jax.ops.experts import swiglu  # noqa: E402
+from bloomery_jax.ops.norms import rms_norm  # noqa: E402
 from bloomery_jax.ops.qmatmul import interpret_kernels  # noqa: E402
 from bloomery_jax.pallas.moe_gemv import moe_gemv, moe_gemv_many  # noqa: E402
 from bloomery_jax.pallas.qgemv import qgemv, qgemv_many  # noqa: E402
@@ -103,6 +108,10 @@ SWEEPS["router"] = [C(1, 1, 1, 2, 1), C(1, 1, 2, 2, 1), C(2, 1, 2, 2, 1), C(2, 1
 SWEEPS.update(gate_up_q8=_Q8, down_q8=_Q8, down_q4k_q8=_Q8, gate_up_q8_pre=_Q8, down_q8_pre=_Q8, o_q8=_Q8,
               qkv_q8=[C(128, 1, 4, 3, 4), C(128, 1, 8, 3, 2), C(64, 1, 4, 3, 8), C(128, 1, 4, 3, 8), C(64, 1, 8, 3, 4),
                       C(32, 1, 4, 3, 8), C(16, 1, 2, 3, 8)])
+# on given blocks nothing is rounded per row tile, so short tiles and many programs are back in play
+_GIVEN = [C(16, 1, 2, 3, 4), C(16, 1, 4, 3, 4), C(32, 1, 2, 3, 2), C(32, 1, 4, 3, 1), C(16, 1, 2, 3, 8),
+          C(8, 1, 1, 3, 4), C(8, 1, 2, 3, 8), C(64, 1, 4, 3, 2), C(32, 1, 4, 3, 8), C(16, 1, 1, 3, 2)]
+SWEEPS.update({f"{f}_q8_given": _Q8[:6] + _GIVEN for f in ("gate_up", "down", "down_q4k", "qkv", "o")})
 
 
 def packed(qtype: T, shape: tuple, rng, layout: str = "planes"):
@@ -135,7 +144,8 @@ def family(name: str, dims: dict, rng, max_copies: int):
                                                           interpret=INTERP),) for ws in sets])
         return launch, (x, sets), w.nbytes, None
     pre = name.endswith("_pre")  # the Q8_1 rounding in a launch of its own first
-    base = name.removesuffix("_pre").removesuffix("_q8")
+    given = name.endswith("_given")  # x rounded outside the timed call
+    base = name.removesuffix("_given").removesuffix("_pre").removesuffix("_q8")
     if base in ("qkv", "o", "output"):
         q8 = "_q8" in name
         layout, tuning = ("ggml", "q8") if q8 else ("planes", "planes")
@@ -145,7 +155,11 @@ def family(name: str, dims: dict, rng, max_copies: int):
             norm = jnp.asarray(rng.uniform(0.5, 2, d), jnp.float32)
             key = ("many", tuning, [(T(w.qtype).name, w.shape[0]) for w in ws], d)
             many = qgemv_q8_many if q8 else qgemv_many
-            one = lambda cfg: lambda x, w: many(x, w, norm=norm, eps=1e-6, config=cfg, interpret=INTERP)  # noqa: E731
+            if given:
+                x = quantize_q8_1(rms_norm(x, norm, 1e-6))
+                one = lambda cfg: lambda x, w: many(x, w, config=cfg, interpret=INTERP)  # noqa: E731
+            else:
+                one = lambda cfg: lambda x, w: many(x, w, norm=norm, eps=1e-6, config=cfg, interpret=INTERP)  # noqa: E731
         else:  # one weight [N, K]: the attention output projection (x: the attention's [1, Hq * Dh]) or the head
             qtype, n, width = (T.Q4_K, d, dims["q_rows"]) if base == "o" else (T.Q6_K, dims["vocab"], d)
             if base == "o":
@@ -154,6 +168,9 @@ def family(name: str, dims: dict, rng, max_copies: int):
             key = ("single", tuning, qtype.name, n, width)
             if not q8:
                 one = lambda cfg: lambda x, w: (qgemv(x, w, config=cfg, interpret=INTERP),)  # noqa: E731
+            elif given:
+                x = quantize_q8_1(x)
+                one = lambda cfg: lambda x, w: (qgemv_q8(x, w, config=cfg, interpret=INTERP),)  # noqa: E731
             elif pre:
                 one = lambda cfg: lambda x, w: (qgemv_q8(quantize_q8_1(x), w, config=cfg, interpret=INTERP),)  # noqa: E731
             else:
@@ -168,17 +185,22 @@ def family(name: str, dims: dict, rng, max_copies: int):
     e, f_rows = dims["experts"], dims["ff"]
     n_sets = max(1, min(max_copies, 16))
     experts = [jnp.asarray(rng.permutation(e)[:k], jnp.int32) for _ in range(n_sets)]  # [P] each, one token
-    q8 = name.endswith("_q8") or pre
+    q8 = "_q8" in name
     layout = "ggml" if q8 else "planes"
     if name.startswith("gate_up"):
         ws = (packed(T.Q4_K, (e, f_rows, d), rng, layout), packed(T.Q4_K, (e, f_rows, d), rng, layout))
         key = ("many", "q8" if q8 else "planes", [("Q4_K", f_rows)] * 2, d)
         nbytes = sum(w.nbytes for w in ws) // e * k
         many = moe_gemv_q8_many if q8 else moe_gemv_many
-        first = quantize_q8_1 if pre else (lambda x: x)
+        norm = jnp.asarray(rng.uniform(0.5, 2, d), jnp.float32)
+        if given:
+            x = quantize_q8_1(rms_norm(x, norm, 1e-6))
+        # as the step makes it: the norm formed in the launch (pre: in the rounding launch)
+        first = (lambda x: quantize_q8_1(rms_norm(x, norm, 1e-6))) if pre else (lambda x: x)
+        kw = dict(norm=norm, eps=1e-6) if not (pre or given) else {}
 
         def launch(cfg):
-            return jax.jit(lambda x, ws, sets: [many(first(x), ws, ex, pairs_per_row=k, config=cfg, interpret=INTERP)
+            return jax.jit(lambda x, ws, sets: [many(first(x), ws, ex, pairs_per_row=k, config=cfg, **kw, interpret=INTERP)
                                                 for ex in sets])
         return launch, (x, ws, experts), nbytes, key
     down_type = T.Q4_K if name.startswith("down_q4k") else T.Q6_K
@@ -187,6 +209,8 @@ def family(name: str, dims: dict, rng, max_copies: int):
     key = ("single", "q8" if q8 else "planes", down_type.name, d, f_rows)
 
     def launch(cfg):
+        if given:
+            return jax.jit(lambda h, w, sets: [(moe_gemv_q8(h, w, ex, config=cfg, interpret=INTERP),) for ex in sets])
         if pre:
             return jax.jit(lambda g, u, w, sets: [(moe_gemv_q8(quantize_q8_1(swiglu(g, u)), w, ex, config=cfg, interpret=INTERP),)
                                                   for ex in sets])
@@ -194,7 +218,10 @@ def family(name: str, dims: dict, rng, max_copies: int):
             return jax.jit(lambda gu, w, sets: [(moe_gemv_q8(gu, w, ex, swiglu_halves=True, config=cfg, interpret=INTERP),)
                                                 for ex in sets])
         return jax.jit(lambda g, u, w, sets: [(moe_gemv(g, w, ex, up=u, config=cfg, interpret=INTERP),) for ex in sets])
-    x_side = (jnp.concatenate([g, u], axis=1),) if q8 and not pre else (g, u)
+    if given:
+        x_side = (quantize_q8_1(swiglu(g, u)),)
+    else:
+        x_side = (jnp.concatenate([g, u], axis=1),) if q8 and not pre else (g, u)
     return launch, (*x_side, down, experts), down.nbytes // e * k, key
 
 
@@ -217,7 +244,8 @@ def time_us(fn, args, launches: int, reps: int, min_total_s: float) -> tuple[flo
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--families", default="gate_up,down,down_q4k,qkv,output")
+    p.add_argument("--families", default="gate_up,down,down_q4k,qkv,output",
+                   help="comma-separated; NAME:current times only that family's current pick")
     p.add_argument("--json", default="")
     p.add_argument("--tuned-out", default="", help="write each family's winner here (BLOOMERY_GEMV_TUNED's form)")
     p.add_argument("--margin", type=float, default=0.03, help="a config replaces the current pick only if this much faster")
@@ -234,11 +262,12 @@ def main(argv=None) -> int:
                          device=str(jax.devices()[0].device_kind), dims=dims), results=[])
     tuned = dict(single=[], many=[])
     for name in a.families.split(","):
+        name, _, only = name.partition(":")
         launch, args, nbytes, key = family(name, dims, np.random.default_rng(len(name)), a.max_copies)
         current = current_pick(key)
         launches = len(args[-1])
         ref = None
-        sweep = [] if a.current_only else [c for c in SWEEPS[name] if c != current]
+        sweep = [] if a.current_only or only == "current" else [c for c in SWEEPS[name] if c != current]
         for i, cfg in enumerate([current] + sweep):
             if time.time() - t_start > a.budget_s:
                 break
