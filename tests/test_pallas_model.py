@@ -210,8 +210,9 @@ def assert_q8_close(got, ref):
                          ids=["prefill", "decode", "decode-q8-bf16"])
 def test_q8_kernels_match_reference_with_cuda_rounding(q4km, kernels, n_tokens, ubatch):
     """pallas-q8-bf16 decodes as pallas-q8 does (it prefills as pallas-bf16 does:
-    test_bf16_prefill_is_nearer_exact_than_llamacpp_arithmetic)."""
-    model = load_model(q4km, kernels=kernels)
+    test_bf16_prefill_is_nearer_exact_than_llamacpp_arithmetic); routed as on a GPU, its gate/up
+    launches read the normed x that the router's launch rounded."""
+    model = load_model(q4km, kernels=kernels, routing="pallas" if kernels == "pallas-q8-bf16" else "xla")
     assert model.params["blk.1.attn_q.weight"].layout == "ggml"
     if kernels == "pallas-q8":
         assert model.cfg.act_rounding == "ggml-cuda" and model.cfg.prefill_precision == "q-int8"  # int8 tiles
@@ -230,9 +231,10 @@ def test_q8_bf16_decode_beside_host_experts(q4km):
     """pallas-q8-bf16 (the GPU's default kernels) with layer 0's experts on the host: layer 1's q8
     launches take their card slots from the placement, layer 0's experts run on the host (f32
     activations: their own rounding is tests/test_hybrid.py's), against the reference with the same
-    placement and the llama.cpp CUDA rounding of the card's products; tolerances as above."""
+    placement and the llama.cpp CUDA rounding of the card's products; tolerances as above. Routed
+    as on a GPU: layer 1's gate/up read the router's rounded x, the host the float x."""
     ids = tokens(10, seed=4)
-    model = load_model(q4km, kernels="pallas-q8-bf16", place="n-cpu-moe=1", host_act="f32")
+    model = load_model(q4km, kernels="pallas-q8-bf16", place="n-cpu-moe=1", host_act="f32", routing="pallas")
     assert model.params["blk.0.ffn_gate_exps.weight"].shape[0] == 0
     ref = sequence_logits(load_model(q4km, kernels="reference", place="n-cpu-moe=1", host_act="f32"), ids, ubatch=1,
                           act_rounding="ggml-cuda")

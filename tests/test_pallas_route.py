@@ -10,7 +10,7 @@ from triton_lowering import triton_kernels
 
 from bloomery_jax.ops.norms import rms_norm
 from bloomery_jax.ops.routing import route_topk as reference
-from bloomery_jax.pallas.route import route_topk, router_logits, router_logits_serves
+from bloomery_jax.pallas.route import route_topk, router_logits, router_logits_rounds, router_logits_serves
 
 
 @pytest.mark.parametrize("N, E, k", [(1, 128, 8), (5, 128, 8), (37, 60, 4), (16, 8, 1), (3, 8, 8), (2, 6, 5)])
@@ -101,21 +101,56 @@ def test_router_logits_match_the_norm_and_product(N, E, D, block_e):
     assert not (np.abs(got - h @ np.roll(wf, 1, axis=0).T) <= bound).all()
 
 
+@pytest.mark.parametrize("N, E, D, block_e", [(1, 128, 2048, 4), (3, 8, 512, 4), (2, 16, 256, 1)])
+def test_router_logits_rounds_the_normed_rows(N, E, D, block_e):
+    """rounded=True: the same logits, and the normed rows as Q8_1 blocks (every program its share,
+    16 to 1 blocks a program here) that quantize_q8_1(rms_norm(x)) gives up to the normed row's
+    last bits: the same scales but for an f16 ulp, every value within half a step of the normed row
+    (the quants divide by the f32 scale, the values multiply the f16 one: up to 127 of its
+    rounding errors more), the half-block sums those of the quants, at most 1% of the quants one
+    step off."""
+    from bloomery_jax.ops.actquant import q8_1_ints, quantize_q8_1
+
+    rng = np.random.default_rng(N * 5 + E + D)
+    x = jnp.asarray(rng.standard_normal((N, D)) * 3, jnp.float32)
+    norm = jnp.asarray(rng.uniform(0.5, 2, D), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((E, D)) * 0.02, jnp.float32)
+    assert router_logits_rounds(x.shape, w, block_e)
+    logits, got = router_logits(x, norm, 1e-6, w, block_e=block_e, rounded=True, interpret=True)
+    np.testing.assert_array_equal(logits, router_logits(x, norm, 1e-6, w, block_e=block_e, interpret=True))
+    h = rms_norm(x, norm, 1e-6)
+    ref = quantize_q8_1(h)
+    assert got.qs.shape == ref.qs.shape and got.d.shape == ref.d.shape and got.sums.shape == ref.sums.shape
+    np.testing.assert_allclose(got.d, ref.d, rtol=2 ** -10)  # one f16 ulp
+    d = np.repeat(np.asarray(got.d, np.float64), 32, axis=-1)  # [N, D]
+    assert (np.abs(np.asarray(got.values(), np.float64) - np.asarray(h, np.float64)) <= d * (0.5 + 127 * 2.0 ** -11)).all()
+    q, q_ref = np.asarray(q8_1_ints(got.qs)), np.asarray(q8_1_ints(ref.qs))  # [N, D/32, 32]
+    np.testing.assert_array_equal(got.sums, q.reshape(N, -1, 16).sum(-1))
+    assert np.abs(q - q_ref).max() <= 1 and np.mean(q != q_ref) <= 0.01
+
+
 def test_router_logits_refuses_what_it_cannot_serve():
     w = jnp.zeros((128, 2048), jnp.float32)
     assert router_logits_serves(8, w) and not router_logits_serves(9, w)
     assert not router_logits_serves(1, w.astype(jnp.bfloat16)) and not router_logits_serves(1, w[:126])
     with pytest.raises(ValueError, match="router_logits: needs"):
         router_logits(jnp.zeros((9, 2048)), jnp.ones(2048), 1e-6, w, interpret=True)
+    # rounded: rows of whole Q8_1 blocks that the programs share evenly (here 3 blocks, 2 programs)
+    assert router_logits_rounds((1, 2048), w) and not router_logits_rounds((1, 48), w[:, :48])
+    odd = jnp.zeros((8, 96), jnp.float32)
+    assert not router_logits_rounds((1, 96), odd)
+    with pytest.raises(ValueError, match="cannot round rows of 96"):
+        router_logits(jnp.ones((1, 96)), jnp.ones(96), 1e-6, odd, rounded=True, interpret=True)
 
 
 @pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
 @pytest.mark.parametrize("N", [1, 8])
-def test_router_logits_lower_to_triton_for_h200(monkeypatch, N):
+@pytest.mark.parametrize("rounded", [False, True])
+def test_router_logits_lower_to_triton_for_h200(monkeypatch, N, rounded):
     x = jax.ShapeDtypeStruct((N, 2048), jnp.float32)
     norm = jax.ShapeDtypeStruct((2048,), jnp.float32)
     w = jax.ShapeDtypeStruct((128, 2048), jnp.float32)
-    assert triton_kernels(monkeypatch, lambda x, n, w: router_logits(x, n, 1e-6, w), x, norm, w) == [
+    assert triton_kernels(monkeypatch, lambda x, n, w: router_logits(x, n, 1e-6, w, rounded=rounded), x, norm, w) == [
         ("router_logits", 90, True)]
 
 

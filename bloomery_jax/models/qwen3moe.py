@@ -16,7 +16,7 @@ import numpy as np
 
 from ..gguf_file import GGUFFile
 from ..ops.attention import gqa_attention
-from ..ops.experts import placed_moe_swiglu
+from ..ops.experts import placed_moe_swiglu, takes_rounded_x
 from ..ops.norms import rms_norm
 from ..ops.qmatmul import as_f32, interpret_kernels, qmatmul, qmatmul_many, take_rows, weight_qtype
 from ..ops.rope import RopeConfig, apply_rope, rope_cos_sin
@@ -24,7 +24,7 @@ from ..ops.routing import route_topk
 from ..pallas import attn_prep
 from ..pallas.route import route_topk as fused_route_topk
 from ..pallas.route import router_logits as router_logits_kernel
-from ..pallas.route import router_logits_serves
+from ..pallas.route import router_logits_rounds, router_logits_serves
 from .kv_cache import KVCache
 from .spec import TensorSpec, attention_specs, embedding_specs
 
@@ -276,10 +276,17 @@ def _moe_block(params, cfg: Config, i: int, x, placement):
     # an F32 router's values (as_f32 computes nothing for them), which the reference also
     # multiplies by x unrounded
     router_f32 = as_f32(router) if weight_qtype(router) == 0 else None
-    card = None
+    card, x8 = None, None
+    gate = params[b + "ffn_gate_exps.weight"]
     if cfg.routing == "pallas" and router_f32 is not None and router_logits_serves(B * T, router_f32):
-        # a decode step's norm and router product in one launch
-        router_logits = router_logits_kernel(x.reshape(B * T, D), *norm, router_f32, interpret=interpret_kernels())
+        # a decode step's norm and router product in one launch, which also leaves the normed x
+        # rounded to Q8_1 where the integer-dot experts read it (x8)
+        rounded = (takes_rounded_x(gate, B * T, cfg.n_experts_used, cfg.act_rounding)
+                   and router_logits_rounds((B * T, D), router_f32))
+        router_logits = router_logits_kernel(x.reshape(B * T, D), *norm, router_f32, rounded=rounded,
+                                             interpret=interpret_kernels())
+        if rounded:
+            router_logits, x8 = router_logits
     else:
         h = rms_norm(x, *norm).reshape(B * T, D)  # [N, D]
         router_logits = qmatmul(h, router, cfg.act_rounding)  # [N, E]
@@ -292,9 +299,9 @@ def _moe_block(params, cfg: Config, i: int, x, placement):
     else:
         experts, weights, margin = route_topk(router_logits, cfg.n_experts_used)  # [N, k], [N, k], [N]
     # the experts take x and the norm: the decode GEMV forms it in-kernel, so h feeds only the router
-    y = placed_moe_swiglu(x.reshape(B * T, D), experts, weights, params[b + "ffn_gate_exps.weight"],
-                          params[b + "ffn_up_exps.weight"], params[b + "ffn_down_exps.weight"], cfg.act_rounding,
-                          placement, i, cfg.prefill_precision, norm, card)  # [N, D]
+    y = placed_moe_swiglu(x.reshape(B * T, D), experts, weights, gate, params[b + "ffn_up_exps.weight"],
+                          params[b + "ffn_down_exps.weight"], cfg.act_rounding, placement, i, cfg.prefill_precision,
+                          norm, card, x8)  # [N, D]
     k = cfg.n_experts_used
     return x + y.reshape(B, T, D), (experts.reshape(B, T, k), weights.reshape(B, T, k), margin.reshape(B, T))
 

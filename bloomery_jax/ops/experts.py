@@ -70,8 +70,20 @@ def grouped_matmul(x_sorted: jax.Array, w: jax.Array, group_sizes: jax.Array) ->
     return jax.lax.ragged_dot_general(x_sorted, w, group_sizes, _GROUPED_DN, precision=HIGHEST)
 
 
+def takes_rounded_x(gate, n_tokens: int, k: int, act_rounding: str) -> bool:
+    """:func:`moe_swiglu` on these experts runs the integer-dot decode GEMV, whose gate/up launch
+    can read x already normed and rounded to Q8_1 blocks (its ``x8``, which the router's launch
+    can leave: ``pallas.route.router_logits(..., rounded=True)``)."""
+    return _takes_gemv(gate, n_tokens, k) and takes_q8(gate, act_rounding)
+
+
+def _takes_gemv(gate, n_tokens: int, k: int) -> bool:
+    return isinstance(gate, PackedWeight) and n_tokens * k <= min(MOE_GEMV_MAX_PAIRS, gate.shape[0] // 2)
+
+
 def moe_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate, up, down,
-               act_rounding: str = "none", precision: str = "tf32x3", norm: tuple | None = None) -> jax.Array:
+               act_rounding: str = "none", precision: str = "tf32x3", norm: tuple | None = None,
+               x8=None) -> jax.Array:
     """Weighted sum of the chosen SwiGLU experts of every token.
 
     Args:
@@ -84,12 +96,15 @@ def moe_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate, up, d
       precision: the grouped GEMM's tensor-core precision (``pallas.moe_gemm``; packed weights only).
       norm: None, or ``(weight [D], eps)``: the experts read ``ops.norms.rms_norm(x, weight, eps)``
         (the decode GEMV forms it in its gate/up launch; other paths first).
+      x8: None, or the normed x as Q8_1 blocks (``ops.actquant.Q8Act`` of ``[N, D]``), which
+        the integer-dot gate/up launch then reads in place of x and the norm
+        (:func:`takes_rounded_x`); other paths ignore it.
     Returns:
       float32 ``[N, D]``.
     """
     N, k = experts.shape
-    if isinstance(gate, PackedWeight) and N * k <= min(MOE_GEMV_MAX_PAIRS, gate.shape[0] // 2):
-        return _moe_swiglu_gemv(x, experts, weights, gate, up, down, act_rounding, norm)
+    if _takes_gemv(gate, N, k):
+        return _moe_swiglu_gemv(x, experts, weights, gate, up, down, act_rounding, norm, x8)
     if norm is not None:
         x = rms_norm(x, *norm)
     if isinstance(gate, PackedWeight):
@@ -121,7 +136,7 @@ def _weighted_sum(y: jax.Array, weights: jax.Array) -> jax.Array:
     return out
 
 
-def _moe_swiglu_gemv(x, experts, weights, gate, up, down, act_rounding, norm):
+def _moe_swiglu_gemv(x, experts, weights, gate, up, down, act_rounding, norm, x8):
     """:func:`moe_swiglu` for few pairs with the Pallas MoE GEMV (packed weights)."""
     N, k = experts.shape
     interpret = interpret_kernels()
@@ -132,6 +147,8 @@ def _moe_swiglu_gemv(x, experts, weights, gate, up, down, act_rounding, norm):
     if act_rounding == "none" or q8:  # gate and up read the same x: one launch, the norm formed in it
         many, one = (moe_gemv_q8_many, moe_gemv_q8) if q8 else (moe_gemv_many, moe_gemv)
         kw = {} if norm is None else dict(norm=norm[0], eps=float(norm[1]))
+        if q8 and x8 is not None:  # the router's launch normed and rounded x already
+            x, kw = x8, {}
         gu = many(x, (gate, up), flat, pairs_per_row=k, joined=True, **kw, interpret=interpret)  # [P, 2F]
         y = one(gu, down, flat, swiglu_halves=True, interpret=interpret)  # swiglu formed where down reads it
         return _weighted_sum(y.reshape(N, k, -1), weights)  # [N, k, D] -> [N, D]
@@ -166,7 +183,7 @@ def _moe_swiglu_gemm(x, experts, weights, gate, up, down, act_rounding, config):
 
 def placed_moe_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate, up, down,
                       act_rounding: str, placement, layer: int, precision: str = "tf32x3",
-                      norm: tuple | None = None, card=None) -> jax.Array:
+                      norm: tuple | None = None, card=None, x8=None) -> jax.Array:
     """:func:`moe_swiglu` with each expert computed where ``placement`` puts it.
 
     Card experts run on their slots of the layer's card buffers (``gate``/``up``/``down`` hold
@@ -192,11 +209,12 @@ def placed_moe_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate
         normed x, formed first).
       card: the routing's card slots and weights where the router already looked them up in
         ``placement`` (``pallas.route.CardRoute``); None: looked up here.
+      x8: as for :func:`moe_swiglu`: the card's experts may read it.
     Returns:
       float32 ``[N, D]``.
     """
     if placement is None:
-        return moe_swiglu(x, experts, weights, gate, up, down, act_rounding, precision, norm)
+        return moe_swiglu(x, experts, weights, gate, up, down, act_rounding, precision, norm, x8)
     host = placement.host if placement.host is not None and placement.host.has_layer(layer) else None
     card_x, card_norm = x, norm  # the card's kernels may form the norm themselves
     if norm is not None:
@@ -219,10 +237,10 @@ def placed_moe_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate
         # The barrier makes the card's input wait for the start, and the finish takes the card's
         # output, so the card's experts are queued between the halves and run while the host works.
         started, card_x = jax.lax.optimization_barrier((started, card_x))
-        out = moe_swiglu(card_x, card_slots, card_weights, gate, up, down, act_rounding, precision, card_norm)
+        out = moe_swiglu(card_x, card_slots, card_weights, gate, up, down, act_rounding, precision, card_norm, x8)
         return out + host.moe_finish(layer, started, out)
     if gate.shape[0]:  # the layer has card slots
-        out = moe_swiglu(card_x, card_slots, card_weights, gate, up, down, act_rounding, precision, card_norm)
+        out = moe_swiglu(card_x, card_slots, card_weights, gate, up, down, act_rounding, precision, card_norm, x8)
     if host is not None:
         if host.skip_empty_calls:
             # a step whose pairs are all on the card skips the round trip (~200 us on the H200);

@@ -457,6 +457,13 @@ class _NormedRows:
         b, *rest = idx  # b an int: the row's scale; the read takes it as an array (see row_index)
         return (self.x[(row_index(b), *rest)].astype(F32) * self.scales[b]) * self.w[tuple(rest)].astype(F32)
 
+    def on(self, x_ref, w_ref) -> "_NormedRows":
+        """The same rows read from other refs of the same values (x and the weight in another
+        shape), with the scales already taken."""
+        view = object.__new__(_NormedRows)
+        view.x, view.w, view.scales = x_ref, w_ref, self.scales
+        return view
+
 
 def row_index(b: int) -> jax.Array:
     """Row b as a ref index: an int32 array, because the interpreter turns a strided read

@@ -62,7 +62,7 @@ I2F_OFFSET = 12582912.0  # 1.5 * 2^23
 # program rounds the blocks of x its K range needs, so the output head's ~2,400 programs would
 # round the same 64 blocks ~1,200 times over (one XLA launch rounds them once)
 ROUND_FIRST_PROGRAMS = 512
-__all__ = ["moe_gemv_q8", "moe_gemv_q8_many", "qgemv_q8", "qgemv_q8_many", "rounding_depth"]
+__all__ = ["moe_gemv_q8", "moe_gemv_q8_many", "qgemv_q8", "qgemv_q8_many", "round_blocks", "rounding_depth"]
 
 
 def _dp4a(a: jax.Array, b: jax.Array, interpret: bool) -> jax.Array:
@@ -173,22 +173,44 @@ class _RoundingRows:
         blocks = pl.ds(first_block, n_blocks)
         col = jax.lax.broadcasted_iota(jnp.int32, (n_blocks, 8), 1)
         for r in range(self.n):
-            xs = [self.src[r, blocks, pl.ds(j, 8, stride=4)].astype(F32) for j in range(4)]  # [nb, 8] each
-            amax = jnp.max(jnp.maximum(jnp.maximum(jnp.abs(xs[0]), jnp.abs(xs[1])),
-                                       jnp.maximum(jnp.abs(xs[2]), jnp.abs(xs[3]))), axis=1, keepdims=True)
-            amax = jnp.broadcast_to(amax, (n_blocks, 8))  # [nb, 8]: each thread its own block's
-            d = _div_rn(amax, jnp.full(amax.shape, 127.0, F32), self.interpret)
-            divisor = jnp.where(amax == 0, 1.0, d)  # an all-zero block: quants 0, not 0 / 0
-            qs = [_exact_int(_round_half_away(_div_rn(x, divisor, self.interpret))) for x in xs]
-            words = (qs[0] & 0xFF) | ((qs[1] & 0xFF) << 8) | ((qs[2] & 0xFF) << 16) | (qs[3] << 24)
-            per_word = qs[0] + qs[1] + qs[2] + qs[3]  # words 0-3 hold quants 0-15
-            lo = jnp.sum(jnp.where(col < 4, per_word, 0), axis=1, keepdims=True)  # [nb, 1]
-            hi = jnp.sum(per_word, axis=1, keepdims=True) - lo
-            d16 = jax.lax.bitcast_convert_type(d.astype(jnp.float16).astype(F32), jnp.int32)
-            self.words[r, blocks, :] = words
-            self.meta[r, blocks, :] = jnp.where(col == 0, d16, jnp.where(col == 1, lo, jnp.where(col == 2, hi, 0)))
+            b = round_blocks(self.src, r, blocks, self.interpret)
+            self.words[r, blocks, :] = b.words
+            d16 = jax.lax.bitcast_convert_type(b.d, jnp.int32)
+            self.meta[r, blocks, :] = jnp.where(col == 0, d16, jnp.where(col == 1, b.lo, jnp.where(col == 2, b.hi, 0)))
         if not self.interpret:  # every thread's blocks written before any thread reads them
             plgpu.debug_barrier()
+
+
+class RoundedBlocks(NamedTuple):
+    """Blocks of one row of x rounded to Q8_1 in a kernel (:func:`round_blocks`), spread over
+    the program's threads as ``[n_blocks, 8]`` tiles (one word a thread)."""
+
+    words: jax.Array  # int32 [nb, 8]: four quants a word, element order
+    d: jax.Array  # float32 [nb, 8]: the block's scale rounded to f16, in each of its words' places
+    lo: jax.Array  # int32 [nb, 1]: sum of quants 0-15
+    hi: jax.Array  # int32 [nb, 1]: sum of quants 16-31
+
+
+def round_blocks(src, r: int, blocks, interpret: bool) -> RoundedBlocks:
+    """Row r's 32-element blocks ``blocks`` (a ``pl.ds``) of ``src[r, blocks, cols]`` (x as
+    ``[K/32, 32]`` blocks: a ref or a view forming the row, see :class:`_RoundingRows`) rounded
+    as ``ops.actquant.quantize_q8_1`` rounds them, bit for bit: read four times with stride 4, so
+    element 4w + j of a block, byte j of its word w, lies in column w of read j and the words
+    pack without a reshape."""
+    n_blocks = blocks.size
+    col = jax.lax.broadcasted_iota(jnp.int32, (n_blocks, 8), 1)
+    xs = [src[r, blocks, pl.ds(j, 8, stride=4)].astype(F32) for j in range(4)]  # [nb, 8] each
+    amax = jnp.max(jnp.maximum(jnp.maximum(jnp.abs(xs[0]), jnp.abs(xs[1])),
+                               jnp.maximum(jnp.abs(xs[2]), jnp.abs(xs[3]))), axis=1, keepdims=True)
+    amax = jnp.broadcast_to(amax, (n_blocks, 8))  # [nb, 8]: each thread its own block's
+    d = _div_rn(amax, jnp.full(amax.shape, 127.0, F32), interpret)
+    divisor = jnp.where(amax == 0, 1.0, d)  # an all-zero block: quants 0, not 0 / 0
+    qs = [_exact_int(_round_half_away(_div_rn(x, divisor, interpret))) for x in xs]
+    words = (qs[0] & 0xFF) | ((qs[1] & 0xFF) << 8) | ((qs[2] & 0xFF) << 16) | (qs[3] << 24)
+    per_word = qs[0] + qs[1] + qs[2] + qs[3]  # words 0-3 hold quants 0-15
+    lo = jnp.sum(jnp.where(col < 4, per_word, 0), axis=1, keepdims=True)  # [nb, 1]
+    hi = jnp.sum(per_word, axis=1, keepdims=True) - lo
+    return RoundedBlocks(words, d.astype(jnp.float16).astype(F32), lo, hi)
 
 
 def _exact_int(v: jax.Array) -> jax.Array:
