@@ -25,7 +25,8 @@ of ``GemvConfig`` variants, the first being what the code picks today (``pick_co
            rounded (the thirtieth session's question)
   router   ``route.router_logits(x, norm, eps, w)``: the router's F32 [128, 2048] with the
            norm formed in-kernel; the config's block_n is its block_e and num_warps its warps
-           (its other fields unused; not written to --tuned-out)
+           (its other fields unused; not written to --tuned-out); router_rounded: the same
+           launch also rounding the normed x to Q8_1 for the experts (``rounded=True``)
 
 Timing: one jitted call makes the launch R times back to back, each on its own weight copy (the
 dense families, enough copies to outgrow the 60 MB L2) or its own set of 8 random experts (the
@@ -103,7 +104,7 @@ SWEEPS["output_q8"] = [C(64, 1, 4, 3, 1), C(128, 1, 4, 3, 1), C(128, 1, 8, 3, 1)
 SWEEPS["output_q8_pre"] = SWEEPS["output_q8"]
 # router_logits: (block_e, -, warps, stages, -); the current pick is ROUTER_PICK
 ROUTER_PICK = C(LOGITS_BLOCK_E, 1, LOGITS_WARPS, 2, 1)
-SWEEPS["router"] = [C(1, 1, 1, 2, 1), C(1, 1, 2, 2, 1), C(2, 1, 2, 2, 1), C(2, 1, 4, 2, 1), C(1, 1, 4, 2, 1),
+SWEEPS["router"] = SWEEPS["router_rounded"] = [C(1, 1, 1, 2, 1), C(1, 1, 2, 2, 1), C(2, 1, 2, 2, 1), C(2, 1, 4, 2, 1), C(1, 1, 4, 2, 1),
                     C(8, 1, 4, 2, 1), C(8, 1, 8, 2, 1), C(4, 1, 2, 2, 1)]
 SWEEPS.update(gate_up_q8=_Q8, down_q8=_Q8, down_q4k_q8=_Q8, gate_up_q8_pre=_Q8, down_q8_pre=_Q8, o_q8=_Q8,
               qkv_q8=[C(128, 1, 4, 3, 4), C(128, 1, 8, 3, 2), C(64, 1, 4, 3, 8), C(128, 1, 4, 3, 8), C(64, 1, 8, 3, 4),
@@ -134,21 +135,23 @@ def family(name: str, dims: dict, rng, max_copies: int):
     file names it and as ``current_pick`` looks it up)."""
     d, k = dims["hidden"], dims["top_k"]
     x = jnp.asarray(rng.standard_normal((1, d)), jnp.float32)
-    if name == "router":
+    if name.startswith("router"):
+        rounded = name == "router_rounded"
         w = jnp.asarray(rng.standard_normal((dims["experts"], d)) * WEIGHT_STD, jnp.float32)
         norm = jnp.asarray(rng.uniform(0.5, 2, d), jnp.float32)
         sets = copies(w, n_copies(w.nbytes, max_copies))
 
         def launch(cfg):
-            return jax.jit(lambda x, sets: [(router_logits(x, norm, 1e-6, ws, block_e=cfg.block_n, num_warps=cfg.num_warps,
-                                                          interpret=INTERP),) for ws in sets])
+            return jax.jit(lambda x, sets: [jax.tree.leaves(router_logits(x, norm, 1e-6, ws, block_e=cfg.block_n,
+                                                                          num_warps=cfg.num_warps, rounded=rounded,
+                                                                          interpret=INTERP)) for ws in sets])
         return launch, (x, sets), w.nbytes, None
     pre = name.endswith("_pre")  # the Q8_1 rounding in a launch of its own first
     given = name.endswith("_given")  # x rounded outside the timed call
     base = name.removesuffix("_given").removesuffix("_pre").removesuffix("_q8")
     if base in ("qkv", "o", "output"):
         q8 = "_q8" in name
-        layout, tuning = ("ggml", "q8") if q8 else ("planes", "planes")
+        layout, tuning = ("ggml", "q8-given" if given else "q8") if q8 else ("planes", "planes")
         if base == "qkv":
             ws = (packed(T.Q4_K, (dims["q_rows"], d), rng, layout), packed(T.Q4_K, (dims["kv_rows"], d), rng, layout),
                   packed(T.Q6_K, (dims["kv_rows"], d), rng, layout))
@@ -189,7 +192,7 @@ def family(name: str, dims: dict, rng, max_copies: int):
     layout = "ggml" if q8 else "planes"
     if name.startswith("gate_up"):
         ws = (packed(T.Q4_K, (e, f_rows, d), rng, layout), packed(T.Q4_K, (e, f_rows, d), rng, layout))
-        key = ("many", "q8" if q8 else "planes", [("Q4_K", f_rows)] * 2, d)
+        key = ("many", "q8-given" if given else "q8" if q8 else "planes", [("Q4_K", f_rows)] * 2, d)
         nbytes = sum(w.nbytes for w in ws) // e * k
         many = moe_gemv_q8_many if q8 else moe_gemv_many
         norm = jnp.asarray(rng.uniform(0.5, 2, d), jnp.float32)
@@ -206,7 +209,7 @@ def family(name: str, dims: dict, rng, max_copies: int):
     down_type = T.Q4_K if name.startswith("down_q4k") else T.Q6_K
     down = packed(down_type, (e, d, f_rows), rng, layout)
     g, u = (jnp.asarray(rng.standard_normal((k, f_rows)), jnp.float32) for _ in range(2))
-    key = ("single", "q8" if q8 else "planes", down_type.name, d, f_rows)
+    key = ("single", "q8-given" if given else "q8" if q8 else "planes", down_type.name, d, f_rows)
 
     def launch(cfg):
         if given:

@@ -101,10 +101,10 @@ def test_router_logits_match_the_norm_and_product(N, E, D, block_e):
     assert not (np.abs(got - h @ np.roll(wf, 1, axis=0).T) <= bound).all()
 
 
-@pytest.mark.parametrize("N, E, D, block_e", [(1, 128, 2048, 4), (3, 8, 512, 4), (2, 16, 256, 1)])
+@pytest.mark.parametrize("N, E, D, block_e", [(1, 128, 2048, 4), (1, 16, 4096, 4), (3, 8, 512, 4), (2, 8, 96, 1)])
 def test_router_logits_rounds_the_normed_rows(N, E, D, block_e):
-    """rounded=True: the same logits, and the normed rows as Q8_1 blocks (every program its share,
-    16 to 1 blocks a program here) that quantize_q8_1(rms_norm(x)) gives up to the normed row's
+    """rounded=True: the same logits, and the normed rows as Q8_1 blocks (by rounding programs
+    after the logits', of 64 blocks, 64 twice, 16, and 1 three times here) that quantize_q8_1(rms_norm(x)) gives up to the normed row's
     last bits: the same scales but for an f16 ulp, every value within half a step of the normed row
     (the quants divide by the f32 scale, the values multiply the f16 one: up to 127 of its
     rounding errors more), the half-block sums those of the quants, at most 1% of the quants one
@@ -115,7 +115,7 @@ def test_router_logits_rounds_the_normed_rows(N, E, D, block_e):
     x = jnp.asarray(rng.standard_normal((N, D)) * 3, jnp.float32)
     norm = jnp.asarray(rng.uniform(0.5, 2, D), jnp.float32)
     w = jnp.asarray(rng.standard_normal((E, D)) * 0.02, jnp.float32)
-    assert router_logits_rounds(x.shape, w, block_e)
+    assert router_logits_rounds(x.shape, w)
     logits, got = router_logits(x, norm, 1e-6, w, block_e=block_e, rounded=True, interpret=True)
     np.testing.assert_array_equal(logits, router_logits(x, norm, 1e-6, w, block_e=block_e, interpret=True))
     h = rms_norm(x, norm, 1e-6)
@@ -135,12 +135,11 @@ def test_router_logits_refuses_what_it_cannot_serve():
     assert not router_logits_serves(1, w.astype(jnp.bfloat16)) and not router_logits_serves(1, w[:126])
     with pytest.raises(ValueError, match="router_logits: needs"):
         router_logits(jnp.zeros((9, 2048)), jnp.ones(2048), 1e-6, w, interpret=True)
-    # rounded: rows of whole Q8_1 blocks that the programs share evenly (here 3 blocks, 2 programs)
-    assert router_logits_rounds((1, 2048), w) and not router_logits_rounds((1, 48), w[:, :48])
-    odd = jnp.zeros((8, 96), jnp.float32)
-    assert not router_logits_rounds((1, 96), odd)
-    with pytest.raises(ValueError, match="cannot round rows of 96"):
-        router_logits(jnp.ones((1, 96)), jnp.ones(96), 1e-6, odd, rounded=True, interpret=True)
+    # rounded: rows of whole Q8_1 blocks
+    assert router_logits_rounds((1, 2048), w) and not router_logits_rounds((9, 2048), w)
+    assert router_logits_serves(1, w[:, :48]) and not router_logits_rounds((1, 48), w[:, :48])
+    with pytest.raises(ValueError, match="rows of 48 are not Q8_1 blocks"):
+        router_logits(jnp.ones((1, 48)), jnp.ones(48), 1e-6, w[:, :48], rounded=True, interpret=True)
 
 
 @pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")

@@ -236,7 +236,7 @@ def placed_moe_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate
         started = host.moe_start(layer, x, experts, weights, on_host)
         # The barrier makes the card's input wait for the start, and the finish takes the card's
         # output, so the card's experts are queued between the halves and run while the host works.
-        started, card_x = jax.lax.optimization_barrier((started, card_x))
+        started, card_x, x8 = jax.lax.optimization_barrier((started, card_x, x8))
         out = moe_swiglu(card_x, card_slots, card_weights, gate, up, down, act_rounding, precision, card_norm, x8)
         return out + host.moe_finish(layer, started, out)
     if gate.shape[0]:  # the layer has card slots

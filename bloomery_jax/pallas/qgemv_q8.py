@@ -439,7 +439,8 @@ def qgemv_q8(x, w: PackedWeight, *, config: GemvConfig | None = None, round_firs
         ``[B, K]``, rounded to the same Q8_1 blocks in-kernel (bit for bit: the same output).
       w: ggml-layout PackedWeight ``[N, K]`` (Q8_0, Q4_K, Q5_K or Q6_K).
       config: launch parameters (``block_n``, ``num_warps``, ``num_stages``, ``split_k``;
-        ``chunks_per_step`` is unused); None picks ``pick_config("q8", ...)``.
+        ``chunks_per_step`` is unused); None picks ``pick_config("q8", ...)``, or for x rounded
+        before the launch ``pick_config("q8-given", ...)``.
       round_first: for float x, round it with ``quantize_q8_1`` before the launch (True) or in
         every program (False); None: first where the launch has more than
         ``ROUND_FIRST_PROGRAMS`` programs. The output is the same either way.
@@ -452,12 +453,13 @@ def qgemv_q8(x, w: PackedWeight, *, config: GemvConfig | None = None, round_firs
     rows, width = _x_shape(x)
     if width != k or not 1 <= rows <= 8:
         raise ValueError(f"qgemv_q8: x must hold [B<=8, {k}] activations, got [{rows}, {width}]")
-    cfg = config or pick_config("q8", qtype.name, n, k)
-    bn, per_program, split = _launch(qtype, n, k, cfg)
-    if round_first is None:
+    if round_first is None and not isinstance(x, Q8Act):
+        bn, _, split = _launch(qtype, n, k, config or pick_config("q8", qtype.name, n, k))
         round_first = split * (n // bn) > ROUND_FIRST_PROGRAMS
     if round_first and not isinstance(x, Q8Act):
         x = quantize_q8_1(x)
+    cfg = config or pick_config(_tuning(x), qtype.name, n, k)
+    bn, per_program, split = _launch(qtype, n, k, cfg)
     arrays, specs = _weight_operands(w, bn)  # the planes kernel's fields and specs: same order, same grid
     xo = _x_operands(x, "qgemv_q8", k, rows, _ALL_ROWS)
     return add_partials(_call(
@@ -502,7 +504,7 @@ def moe_gemv_q8(x, w: PackedWeight, experts: jax.Array, *, swiglu_halves: bool =
     if width != (2 * k if swiglu_halves else k) or experts.shape != (n_pairs,):
         raise ValueError(f"moe_gemv_q8: x must hold [P, {2 * k if swiglu_halves else k}] activations and experts "
                          f"[P], got [{n_pairs}, {width}] and experts {experts.shape}")
-    cfg = config or pick_config("q8", qtype.name, n, k)
+    cfg = config or pick_config(_tuning(x), qtype.name, n, k)
     bn, per_program, split = _launch(qtype, n, k, cfg)
     arrays, specs = _operands(w, bn)  # moe_gemv's: every expert, the row tile on the last grid axis
     xo = _x_operands(x, "moe_gemv_q8", k, 1, _PAIR_ROW, swiglu=swiglu_halves)
@@ -526,10 +528,15 @@ def _part_body(xs, store, *, bn: int, interpret: bool):
     return body
 
 
-def _q8_many(ws, k: int, lead: tuple, name: str, config: GemvConfig | None):
+def _tuning(x) -> str:
+    """The launch table for x's form (``qgemv_tuned.FALLBACK``)."""
+    return "q8-given" if isinstance(x, Q8Act) else "q8"
+
+
+def _q8_many(x, ws, k: int, lead: tuple, name: str, config: GemvConfig | None):
     for w in ws:
         _check(w, len(lead) + 2, name)
-    return many_operands(ws, k, lead, name, tuning="q8", config=config)
+    return many_operands(ws, k, lead, name, tuning=_tuning(x), config=config)
 
 
 def _dense_many_kernel(*refs, source: _XSource, parts, bn: int, interpret: bool):
@@ -553,7 +560,7 @@ def qgemv_q8_many(x, ws: tuple, *, norm: jax.Array | None = None, eps: float = 0
     in another order: its last bits, and so a rare quant, may differ)."""
     rows, k = _x_shape(x)
     _check_norm("qgemv_q8_many", norm, k)
-    m = _q8_many(ws, k, (), "qgemv_q8_many", config)
+    m = _q8_many(x, ws, k, (), "qgemv_q8_many", config)
     xo = _x_operands(x, "qgemv_q8_many", k, rows, _ALL_ROWS, norm, eps)
     y = _call(
         functools.partial(_dense_many_kernel, source=xo.source, parts=m.parts, bn=m.bn, interpret=interpret),
@@ -592,7 +599,7 @@ def moe_gemv_q8_many(x, ws: tuple, experts: jax.Array, *, pairs_per_row: int = 1
         raise ValueError(f"moe_gemv_q8_many: x must hold [P / {pairs_per_row}, {k}] activations and experts [P], "
                          f"got [{rows}, {width}] and experts {experts.shape}")
     _check_norm("moe_gemv_q8_many", norm, k)
-    m = _q8_many(ws, k, (n_exp,), "moe_gemv_q8_many", config)
+    m = _q8_many(x, ws, k, (n_exp,), "moe_gemv_q8_many", config)
     xo = _x_operands(x, "moe_gemv_q8_many", k, 1, lambda s, p, i: p // pairs_per_row, norm, eps)
     y = _call(
         functools.partial(_moe_many_kernel, source=xo.source, parts=m.parts, n_experts=n_exp, bn=m.bn,

@@ -87,6 +87,12 @@ TUNED: dict[tuple[str, str, int, int], tuple[int, int, int, int]] = {
 }
 
 
+# "q8-given": the q8 launches on x rounded to Q8_1 before them (a Q8Act, e.g. by the router's
+# launch): nothing is rounded per row tile, so shorter tiles than "q8"'s win. A weight with no
+# entry of its own there takes its "q8" pick.
+FALLBACK = {"q8-given": "q8"}
+
+
 @functools.cache
 def measured_here() -> tuple[dict, dict]:
     """``(TUNED-like, TUNED_MANY-like)`` entries of the file ``BLOOMERY_GEMV_TUNED`` names
@@ -111,7 +117,10 @@ def measured_here() -> tuple[dict, dict]:
 def pick_config(layout: str, type_name: str, n: int, k: int) -> GemvConfig:
     """The tuned launch parameters for this weight, else the layout's default for its type."""
     key = (layout, type_name, n, k)
-    row = measured_here()[0].get(key) or TUNED.get(key) or DEFAULTS.get((layout, type_name))
+    row = measured_here()[0].get(key) or TUNED.get(key)
+    if row is None and layout in FALLBACK:
+        return pick_config(FALLBACK[layout], type_name, n, k)
+    row = row or DEFAULTS.get((layout, type_name))
     return GemvConfig(*row) if row else GemvConfig()
 
 
@@ -123,6 +132,9 @@ TUNED_MANY: dict[tuple, tuple[int, ...]] = {
     ("planes", (("Q4_K", 4096), ("Q4_K", 512), ("Q6_K", 512)), 2048): (32, 2, 8, 3, 4),  # q/k/v with the norm
     # 2026-12-07, H100, the Q8_1 rounding in the launch (as above): gate/up 33.6 -> 15.1 us (planes: 19.7)
     ("q8", (("Q4_K", 768), ("Q4_K", 768)), 2048): (128, 1, 4, 3, 4),
+    # 2026-12-07, H100 (benchmarks/gpu_2026-12-07-s30/c1): gate/up on the router's rounded x, 12.3
+    # us at the "q8" pick -> 11.2 (and 15.1 rounding in the launch)
+    ("q8-given", (("Q4_K", 768), ("Q4_K", 768)), 2048): (16, 1, 1, 3, 2),
 }
 
 
@@ -136,5 +148,7 @@ def pick_many_config(layout: str, weights: list[tuple[str, int]], k: int) -> Gem
     row = measured_here()[1].get(key) or TUNED_MANY.get(key)
     if row:
         return GemvConfig(*row)
+    if layout in FALLBACK:
+        return pick_many_config(FALLBACK[layout], weights, k)
     type_name, n = max(weights, key=lambda w: w[1])
     return pick_config(layout, type_name, n, k)

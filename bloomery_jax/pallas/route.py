@@ -25,9 +25,9 @@ and the router's product were three XLA kernels a layer (~4.9 us of a ~84 us lay
 benchmarks/gpu_2026-12-05-s16/trace). Program j forms the normed rows of x itself
 (``qgemv._NormedRows``: ggml's order of operations) and the logits of experts
 ``j*block_e ..`` by walking D in chunks. With ``rounded=True`` it also rounds the normed rows to
-Q8_1 blocks (``ops.actquant.Q8Act``, what the experts' integer-dot gate/up launch reads),
-program j those of blocks ``j*bpp ..``: the router reads and norms every element of x anyway,
-where the gate/up launch would norm and round them again in each of its hundreds of programs.
+Q8_1 blocks (``ops.actquant.Q8Act``, what the experts' integer-dot gate/up launch reads) in
+programs of their own after the logits' (up to ``ROUND_BLOCKS`` blocks each), which run beside
+them: the gate/up launch would norm and round them again in each of its hundreds of programs.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ LOGITS_MAX_ROWS = 8  # rows of x router_logits unrolls (a decode step's tokens)
 # router_logits' launch: experts a program and warps (none better at 1-8 of each on an H100,
 # benchmarks/gpu_2026-12-07-s29/call1)
 LOGITS_BLOCK_E, LOGITS_WARPS = 4, 4
+ROUND_BLOCKS = 64  # Q8_1 blocks a rounding program of router_logits(..., rounded=True) rounds at most
 __all__ = ["CardRoute", "route_topk", "router_logits", "router_logits_rounds", "router_logits_serves"]
 
 
@@ -177,18 +178,38 @@ def router_logits_serves(n_rows: int, w) -> bool:
             and w.shape[0] % 4 == 0 and _logits_chunk(w.shape[1]) > 0)
 
 
-def _logits_kernel(x_ref, n_ref, w_ref, *refs, eps: float, chunk: int, bpp: int, interpret: bool):
+def _logits_kernel(x_ref, n_ref, w_ref, *refs, eps: float, chunk: int, logit_programs: int, bpp: int,
+                   interpret: bool):
     # x_ref [N, D] rows of x; n_ref [D] the norm weight; w_ref [BE, D] router rows; refs: o_ref
-    # [N, BE], or with bpp (blocks a program rounds) xb_ref [N, D/32, 32] and nb_ref [D/32, 32]
-    # (x and the norm as blocks) first, then o_ref and the Q8Act's qs [N, D/32, 8], d [N, D/32]
-    # and sums [N, D/32, 2]
+    # [N, BE], or with bpp (blocks a rounding program rounds) xb_ref [N, D/32, 32] and nb_ref
+    # [D/32, 32] (x and the norm as blocks) first, then o_ref and the Q8Act's qs [N, D/32, 8],
+    # d [N, D/32] and sums [N, D/32, 2]
     n_rows, d = x_ref.shape
     xn = _NormedRows(x_ref, n_ref, eps, n_rows)
-    if bpp:
-        xb_ref, nb_ref, o_ref, qs_ref, d_ref, sums_ref = refs
-        _round_share(xn.on(xb_ref, nb_ref), qs_ref, d_ref, sums_ref, n_rows, bpp, interpret)
-    else:
-        (o_ref,) = refs
+    if not bpp:
+        _logits(xn, w_ref, refs[0], n_rows, d, chunk)
+        return
+    xb_ref, nb_ref, o_ref, qs_ref, d_ref, sums_ref = refs
+    j = pl.program_id(0)
+
+    @pl.when(j < logit_programs)
+    def _():
+        _logits(xn, w_ref, o_ref, n_rows, d, chunk)
+
+    @pl.when(j >= logit_programs)  # the programs after the logits' round the normed rows beside them
+    def _():
+        blocks = pl.ds(pl.multiple_of((j - logit_programs) * bpp, bpp), bpp)
+        half = jax.lax.broadcasted_iota(jnp.int32, (bpp, 2), 1)
+        src = xn.on(xb_ref, nb_ref)
+        for r in range(n_rows):
+            b = round_blocks(src, r, blocks, interpret)
+            qs_ref[r, blocks, :] = b.words
+            d_ref[r, blocks] = jnp.max(b.d, axis=1)  # [bpp]: the same value in each of a block's words
+            sums_ref[r, blocks, :] = jnp.where(half == 0, b.lo, b.hi)
+
+
+def _logits(xn, w_ref, o_ref, n_rows: int, d: int, chunk: int) -> None:
+    """This program's logits: its router rows times the normed rows, walking D in chunks."""
     be = w_ref.shape[0]
 
     def step(c, accs):
@@ -199,31 +220,6 @@ def _logits_kernel(x_ref, n_ref, w_ref, *refs, eps: float, chunk: int, bpp: int,
     accs = jax.lax.fori_loop(0, d // chunk, step, tuple(jnp.zeros((be, chunk), F32) for _ in range(n_rows)))
     for b, acc in enumerate(accs):
         o_ref[b, :] = jnp.sum(acc, axis=1)
-
-
-def _round_share(src, qs_ref, d_ref, sums_ref, n_rows: int, bpp: int, interpret: bool) -> None:
-    """This program's ``bpp`` blocks of every row of ``src`` rounded into the Q8Act refs
-    (programs past the last block round none)."""
-    first = pl.program_id(0) * bpp
-
-    @pl.when(first < qs_ref.shape[1])
-    def _():
-        blocks = pl.ds(pl.multiple_of(first, bpp), bpp)
-        half = jax.lax.broadcasted_iota(jnp.int32, (bpp, 2), 1)
-        for r in range(n_rows):
-            b = round_blocks(src, r, blocks, interpret)
-            qs_ref[r, blocks, :] = b.words
-            d_ref[r, blocks] = jnp.max(b.d, axis=1)  # [bpp]: the same value in each of a block's words
-            sums_ref[r, blocks, :] = jnp.where(half == 0, b.lo, b.hi)
-
-
-def _blocks_a_program(n_blocks: int, programs: int) -> int:
-    """Blocks of 32 each router program rounds: the least power of two that covers the row in
-    ``programs`` shares and divides it (0: none does)."""
-    bpp = 1
-    while bpp * programs < n_blocks:
-        bpp *= 2
-    return bpp if n_blocks % bpp == 0 else 0
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "block_e", "num_warps", "rounded", "interpret"))
@@ -255,26 +251,28 @@ def router_logits(x: jax.Array, norm: jax.Array, eps: float, w: jax.Array, *, bl
     n_exp = w.shape[0]
     while n_exp % block_e:
         block_e //= 2
+    if rounded and d % 32:
+        raise ValueError(f"router_logits: rows of {d} are not Q8_1 blocks of 32 (router_logits_rounds)")
     programs = n_exp // block_e
-    bpp = _blocks_a_program(d // 32, programs) if rounded and d % 32 == 0 else 0
-    if rounded and not bpp:
-        raise ValueError(f"router_logits: cannot round rows of {d} in {programs} programs (router_logits_rounds)")
+    nb = d // 32
+    bpp = min(nb & -nb, ROUND_BLOCKS) if rounded else 0  # a power of two dividing the blocks
+    last = programs - 1  # the rounding programs' (unused) router and logit blocks
     whole = lambda *shape: pl.BlockSpec(shape, lambda j: (0,) * len(shape))  # noqa: E731
     operands = [x.astype(F32), norm.astype(F32), w]
-    in_specs = [whole(n_rows, d), whole(d), pl.BlockSpec((block_e, d), lambda j: (j, 0))]
+    in_specs = [whole(n_rows, d), whole(d), pl.BlockSpec((block_e, d), lambda j: (jnp.minimum(j, last), 0))]
     out_shape = [jax.ShapeDtypeStruct((n_rows, n_exp), F32)]
-    out_specs = [pl.BlockSpec((n_rows, block_e), lambda j: (0, j))]
-    if bpp:  # x and the norm again as [D/32, 32] blocks; every program writes its blocks of the whole Q8Act
-        nb = d // 32
+    out_specs = [pl.BlockSpec((n_rows, block_e), lambda j: (0, jnp.minimum(j, last)))]
+    if bpp:  # x and the norm again as [D/32, 32] blocks; each rounding program writes its blocks of the whole Q8Act
         operands += [operands[0].reshape(n_rows, nb, 32), operands[1].reshape(nb, 32)]
         in_specs += [whole(n_rows, nb, 32), whole(nb, 32)]
         out_shape += [jax.ShapeDtypeStruct((n_rows, nb, 8), jnp.int32), jax.ShapeDtypeStruct((n_rows, nb), F32),
                       jax.ShapeDtypeStruct((n_rows, nb, 2), jnp.int32)]
         out_specs += [whole(n_rows, nb, 8), whole(n_rows, nb), whole(n_rows, nb, 2)]
     out = pl.pallas_call(
-        functools.partial(_logits_kernel, eps=float(eps), chunk=_logits_chunk(d), bpp=bpp, interpret=interpret),
+        functools.partial(_logits_kernel, eps=float(eps), chunk=_logits_chunk(d), logit_programs=programs, bpp=bpp,
+                          interpret=interpret),
         out_shape=out_shape,
-        grid=(programs,),
+        grid=(programs + (nb // bpp if bpp else 0),),
         in_specs=in_specs,
         out_specs=out_specs,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
@@ -287,10 +285,6 @@ def router_logits(x: jax.Array, norm: jax.Array, eps: float, w: jax.Array, *, bl
     return logits, Q8Act(qs.reshape(n_rows, d // 4), dq, sums.reshape(n_rows, d // 16))
 
 
-def router_logits_rounds(x_shape: tuple, w, block_e: int = LOGITS_BLOCK_E) -> bool:
+def router_logits_rounds(x_shape: tuple, w) -> bool:
     """``router_logits(..., rounded=True)`` takes x of this shape and this router weight."""
-    n_exp, d = w.shape
-    while n_exp % block_e:
-        block_e //= 2
-    return (router_logits_serves(x_shape[0], w) and d % 32 == 0
-            and _blocks_a_program(d // 32, n_exp // block_e) > 0)
+    return router_logits_serves(x_shape[0], w) and w.shape[1] % 32 == 0
