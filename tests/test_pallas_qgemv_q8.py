@@ -362,6 +362,38 @@ def test_swiglu_halves_rounded_in_kernel(qtype):
     assert ratios(y, xa, w64[wrong], mag[ex], qtype, k, CFG, _flip_allowance(h, w64[wrong])).max() > 1.0
 
 
+def test_swiglu_halves_from_split_partials():
+    """moe_gemv_q8(..., swiglu_halves=True) on the gate/up launch's split-K partials [S, P, 2K]
+    adds them in order s = 0, 1, ... where it forms SwiGLU: bit for bit what it gives on their
+    sum taken in that order; and moe_gemv_q8_many(..., joined=True, partials=True) leaves
+    partials that sum to its joined output (the add that launch would make)."""
+    from bloomery_jax.ops.norms import rms_norm
+    from bloomery_jax.pallas.qgemv_q8 import moe_gemv_q8_many
+
+    rng = np.random.default_rng(93)
+    e, n, k, pairs = 3, 32, 256, 4
+    pw = repack(np.stack([weight(T.Q6_K, n, k, rng) for _ in range(e)]), T.Q6_K, (e, n, k), "ggml")
+    parts = jnp.asarray(rng.standard_normal((3, pairs, 2 * k)), jnp.float32)  # [S, P, 2K]
+    experts = jnp.asarray(rng.integers(0, e, pairs), jnp.int32)
+    summed = (parts[0] + parts[1]) + parts[2]
+    got = moe_gemv_q8(parts, pw, experts, swiglu_halves=True, config=CFG, interpret=True)
+    np.testing.assert_array_equal(got, moe_gemv_q8(summed, pw, experts, swiglu_halves=True, config=CFG, interpret=True))
+    assert not np.array_equal(got, moe_gemv_q8(parts[0], pw, experts, swiglu_halves=True, config=CFG, interpret=True))
+    with pytest.raises(ValueError, match="SwiGLU's"):
+        moe_gemv_q8(parts[:, :, :k], pw, experts, config=CFG, interpret=True)
+    # the gate/up side: split 2 of K = 512's two chunks
+    x = jnp.asarray(rng.standard_normal((2, 512)), jnp.float32)
+    gate_up = tuple(repack(np.stack([weight(T.Q4_K, 32, 512, rng) for _ in range(e)]), T.Q4_K, (e, 32, 512), "ggml")
+                    for _ in range(2))
+    cfg = GemvConfig(split_k=2)
+    x8 = quantize_q8_1(rms_norm(x, jnp.ones(512), 1e-6))
+    split = moe_gemv_q8_many(x8, gate_up, experts, pairs_per_row=2, config=cfg, joined=True, partials=True,
+                             interpret=True)
+    assert split.shape == (2, pairs, 64)
+    joined = moe_gemv_q8_many(x8, gate_up, experts, pairs_per_row=2, config=cfg, joined=True, interpret=True)
+    np.testing.assert_array_equal(jnp.sum(split, axis=0), joined)
+
+
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
 def test_round_first_gives_the_same_output(qtype):
     """Float x rounded in every program (round_first=False), in a launch of its own first (True,

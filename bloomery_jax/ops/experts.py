@@ -149,7 +149,9 @@ def _moe_swiglu_gemv(x, experts, weights, gate, up, down, act_rounding, norm, x8
         kw = {} if norm is None else dict(norm=norm[0], eps=float(norm[1]))
         if q8 and x8 is not None:  # the router's launch normed and rounded x already
             x, kw = x8, {}
-        gu = many(x, (gate, up), flat, pairs_per_row=k, joined=True, **kw, interpret=interpret)  # [P, 2F]
+        if q8:  # gate/up's split-K partials [S, P, 2F], added where down reads them: no launch of their own
+            kw["partials"] = True
+        gu = many(x, (gate, up), flat, pairs_per_row=k, joined=True, **kw, interpret=interpret)  # [(S,) P, 2F]
         y = one(gu, down, flat, swiglu_halves=True, interpret=interpret)  # swiglu formed where down reads it
         return _weighted_sum(y.reshape(N, k, -1), weights)  # [N, k, D] -> [N, D]
     if norm is not None:

@@ -333,15 +333,33 @@ def _body(xs, w_refs, store, *, qtype, bn: int, per_program: int, interpret: boo
         store(r, jnp.sum(accs[r], axis=1) - macc[r])
 
 
+class _SummedRows:
+    """``view[b, *idx]`` is the sum of split-K partials ``ref[s, b, *idx]`` over s, added in order
+    s = 0, 1, ...: a launch's partial sums read where the next launch forms its rows, so no launch
+    adds them up first."""
+
+    def __init__(self, ref):
+        self.ref = ref
+
+    def __getitem__(self, idx):
+        b, *rest = idx
+        total = self.ref[(row_index(0), row_index(b), *rest)]  # ints as arrays, as row_index says why
+        for s in range(1, self.ref.shape[0]):
+            total = total + self.ref[(row_index(s), row_index(b), *rest)]
+        return total
+
+
 @dataclasses.dataclass(frozen=True)
 class _XSource:
     """How a launch's x arrives (static): already rounded (a :class:`Q8Act`: three refs), or as
     floats (one ref) rounded in-kernel, these RMS-normed first (``eps``; the norm weight is a
-    second ref) or gate and up side by side to form SwiGLU from (``swiglu``)."""
+    second ref) or gate and up side by side to form SwiGLU from (``swiglu``; with ``partials``,
+    as the gate/up launch's split-K partial sums, added here)."""
 
     rounded: bool
     eps: float | None = None
     swiglu: bool = False
+    partials: bool = False
 
     def rows(self, refs, interpret: bool):
         """(the program's rows of x, the weights' refs, the output ref ``[1, rows, BN]``) from the
@@ -353,16 +371,17 @@ class _XSource:
         n = out.shape[1]
         if self.eps is not None:
             src, ins = _NormedRows(ins[0], ins[1], self.eps, n), ins[2:]
-        elif self.swiglu:  # [1, 2K/32, 32]: up starts K/32 blocks in
-            src, ins = _SwigluRows(ins[0], ins[0], offset=ins[0].shape[1] // 2), ins[1:]
+        elif self.swiglu:  # [1, 2K/32, 32] (partials: [S, 1, 2K/32, 32]): up starts K/32 blocks in
+            rows = _SummedRows(ins[0]) if self.partials else ins[0]
+            src, ins = _SwigluRows(rows, rows, offset=ins[0].shape[-2] // 2), ins[1:]
         else:
             src, ins = _RefRows(ins[0]), ins[1:]
         return _RoundingRows(src, words, meta, n, interpret), ins, out
 
 
 def _x_shape(x) -> tuple[int, int]:
-    """(rows, columns) of x, a Q8Act or a float array."""
-    return (x.qs.shape[0], x.qs.shape[1] * 4) if isinstance(x, Q8Act) else (x.shape[0], x.shape[1])
+    """(rows, columns) of x, a Q8Act or a float array (``[S, R, K]``: split-K partials)."""
+    return (x.qs.shape[0], x.qs.shape[1] * 4) if isinstance(x, Q8Act) else (x.shape[-2], x.shape[-1])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -391,13 +410,20 @@ def _x_operands(x, name: str, k: int, n_rows: int, first_row, norm=None, eps: fl
             raise ValueError(f"{name}: the norm and SwiGLU are formed from float x, not from rounded blocks")
         arrays = [x.qs.reshape(rows, k // 32, 8), x.d, x.sums.reshape(rows, k // 32, 2)]
         return _XOperands(_XSource(True), arrays, block_arrays([a.shape for a in arrays]), [], [])
-    blocks = x.reshape(rows, -1, 32)  # [R, K/32, 32] (SwiGLU: [R, 2K/32, 32])
-    arrays, specs = [blocks], block_arrays([blocks.shape])
+    if x.ndim != 2 and not (swiglu and x.ndim == 3):
+        raise ValueError(f"{name}: x must be [R, K] floats (or SwiGLU's [S, R, 2K] partials), got {x.shape}")
+    if x.ndim == 3:  # SwiGLU's gate and up as split-K partials: [S, R, 2K] -> [S, R, 2K/32, 32]
+        blocks = x.reshape(x.shape[0], rows, -1, 32)
+        specs = [pl.BlockSpec((blocks.shape[0], n_rows, *blocks.shape[2:]), lambda *g: (0, first_row(*g), 0, 0))]
+    else:
+        blocks = x.reshape(rows, -1, 32)  # [R, K/32, 32] (SwiGLU: [R, 2K/32, 32])
+        specs = block_arrays([blocks.shape])
+    arrays = [blocks]
     if norm is not None:
         arrays.append(norm.astype(F32).reshape(k // 32, 32))
         specs.append(pl.BlockSpec((k // 32, 32), lambda *g: (0, 0)))
     scratch = [jax.ShapeDtypeStruct((rows, k // 32, 8), jnp.int32)] * 2  # _RoundingRows' words and meta
-    source = _XSource(False, None if norm is None else float(eps), swiglu)
+    source = _XSource(False, None if norm is None else float(eps), swiglu, x.ndim == 3)
     return _XOperands(source, arrays, specs, scratch, block_arrays([a.shape for a in scratch]))
 
 
@@ -488,7 +514,9 @@ def moe_gemv_q8(x, w: PackedWeight, experts: jax.Array, *, swiglu_halves: bool =
 
     Args:
       x: a :class:`Q8Act` of ``[P, K]`` activations, one row per pair, or float ``[P, K]``
-        rounded in-kernel as :func:`qgemv_q8` does.
+        rounded in-kernel as :func:`qgemv_q8` does (with ``swiglu_halves`` also ``[S, P, 2K]``:
+        the gate/up launch's split-K partials, ``moe_gemv_q8_many(..., joined=True,
+        partials=True)``, added in the launch).
       w: ggml-layout PackedWeight ``[E, N, K]``; experts: integer ``[P]`` in [0, E) (others clamped).
       swiglu_halves: x is float ``[P, 2K]``, gate then up side by side (``moe_gemv_q8_many(...,
         joined=True)``), and the rows rounded are ``silu(gate) * up``, formed in-kernel (the
@@ -582,15 +610,16 @@ def _moe_many_kernel(e_ref, *refs, source: _XSource, parts, n_experts: int, bn: 
               view=lambda r: _ExpertView(r, e))
 
 
-@functools.partial(jax.jit, static_argnames=("pairs_per_row", "eps", "config", "joined", "interpret"))
+@functools.partial(jax.jit, static_argnames=("pairs_per_row", "eps", "config", "joined", "partials", "interpret"))
 def moe_gemv_q8_many(x, ws: tuple, experts: jax.Array, *, pairs_per_row: int = 1, norm: jax.Array | None = None,
                      eps: float = 0.0, config: GemvConfig | None = None, joined: bool = False,
-                     interpret: bool = False):
+                     partials: bool = False, interpret: bool = False):
     """``tuple(moe_gemv_q8(x, w, experts) for w in ws)`` in one launch (gate and up of a layer).
     With ``pairs_per_row`` > 1, x holds one row per token and pair p reads row p // pairs_per_row
     (token-major routing: nothing copies a token's row k times first). ``norm`` and ``eps`` as
     for :func:`qgemv_q8_many`, ``joined`` as for ``moe_gemv.moe_gemv_many`` (the outputs side by
-    side, what ``moe_gemv_q8(..., swiglu_halves=True)`` reads); ``config`` as for
+    side, what ``moe_gemv_q8(..., swiglu_halves=True)`` reads; with ``partials`` the launch's
+    split-K partial sums ``[S, P, sum N_j]``, which it adds itself); ``config`` as for
     :func:`qgemv_q8_many`."""
     n_exp, _, k = ws[0].shape
     rows, width = _x_shape(x)
@@ -609,4 +638,6 @@ def moe_gemv_q8_many(x, ws: tuple, experts: jax.Array, *, pairs_per_row: int = 1
         lead_specs=[pl.BlockSpec((1,), lambda s, p, i: (p,))], w_specs=m.specs,
         compiler_params=m.compiler_params, interpret=interpret, name="moe_gemv_q8_many",
     )((experts.astype(jnp.int32),), m.arrays)
-    return add_partials(y) if joined else m.split(y)
+    if joined:
+        return y if partials else add_partials(y)
+    return m.split(y)
