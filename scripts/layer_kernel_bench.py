@@ -24,8 +24,9 @@ of ``GemvConfig`` variants, the first being what the code picks today (``pick_co
            the timed call: what the launch costs where the kernel before it leaves its output
            rounded (the thirtieth session's question)
   router   ``route.router_logits(x, norm, eps, w)``: the router's F32 [128, 2048] with the
-           norm formed in-kernel; the config's block_n is its block_e and num_warps its warps
-           (its other fields unused; not written to --tuned-out); router_rounded: the same
+           norm formed in-kernel; the config's block_n is its block_e, chunks_per_step its chunk
+           in units of 256 columns and num_warps its warps (its other fields unused; not written
+           to --tuned-out); router_rounded: the same
            launch also rounding the normed x to Q8_1 for the experts (``rounded=True``)
 
 Timing: one jitted call makes the launch R times back to back, each on its own weight copy (the
@@ -68,7 +69,7 @@ from bloomery_jax.pallas.moe_gemv import moe_gemv, moe_gemv_many  # noqa: E402
 from bloomery_jax.pallas.qgemv import qgemv, qgemv_many  # noqa: E402
 from bloomery_jax.pallas.qgemv_q8 import moe_gemv_q8, moe_gemv_q8_many, qgemv_q8, qgemv_q8_many  # noqa: E402
 from bloomery_jax.pallas.qgemv_tuned import GemvConfig as C, pick_config, pick_many_config  # noqa: E402
-from bloomery_jax.pallas.route import LOGITS_BLOCK_E, LOGITS_WARPS, router_logits  # noqa: E402
+from bloomery_jax.pallas.route import LOGITS_BLOCK_E, LOGITS_CHUNK, LOGITS_WARPS, router_logits  # noqa: E402
 from bloomery_jax.quant.repack import repack  # noqa: E402
 from bloomery_jax.synth.blocks import random_blocks  # noqa: E402
 
@@ -102,10 +103,12 @@ _Q8 = [C(32, 1, 2, 3, 4), C(32, 1, 4, 3, 4), C(32, 1, 4, 3, 2), C(16, 1, 2, 3, 4
 SWEEPS["output_q8"] = [C(64, 1, 4, 3, 1), C(128, 1, 4, 3, 1), C(128, 1, 8, 3, 1), C(64, 1, 2, 3, 1), C(32, 1, 2, 3, 1),
                        C(64, 1, 8, 3, 1), C(128, 1, 4, 3, 2), C(32, 1, 4, 3, 1)]
 SWEEPS["output_q8_pre"] = SWEEPS["output_q8"]
-# router_logits: (block_e, -, warps, stages, -); the current pick is ROUTER_PICK
-ROUTER_PICK = C(LOGITS_BLOCK_E, 1, LOGITS_WARPS, 2, 1)
-SWEEPS["router"] = SWEEPS["router_rounded"] = [C(1, 1, 1, 2, 1), C(1, 1, 2, 2, 1), C(2, 1, 2, 2, 1), C(2, 1, 4, 2, 1), C(1, 1, 4, 2, 1),
-                    C(8, 1, 4, 2, 1), C(8, 1, 8, 2, 1), C(4, 1, 2, 2, 1)]
+# router_logits: (block_e, chunk / 256, warps, stages, -); the current pick is ROUTER_PICK
+ROUTER_PICK = C(LOGITS_BLOCK_E, LOGITS_CHUNK // 256, LOGITS_WARPS, 2, 1)
+# whole rows in one read (chunk 2048 = D) beside the 256-column walk
+SWEEPS["router"] = SWEEPS["router_rounded"] = [
+    C(4, 8, 4, 2, 1), C(2, 8, 4, 2, 1), C(1, 8, 4, 2, 1), C(4, 8, 8, 2, 1), C(2, 8, 2, 2, 1), C(1, 8, 2, 2, 1),
+    C(8, 8, 8, 2, 1), C(4, 4, 4, 2, 1), C(2, 4, 4, 2, 1), C(1, 1, 4, 2, 1), C(8, 1, 4, 2, 1)]
 SWEEPS.update(gate_up_q8=_Q8, down_q8=_Q8, down_q4k_q8=_Q8, gate_up_q8_pre=_Q8, down_q8_pre=_Q8, o_q8=_Q8,
               qkv_q8=[C(128, 1, 4, 3, 4), C(128, 1, 8, 3, 2), C(64, 1, 4, 3, 8), C(128, 1, 4, 3, 8), C(64, 1, 8, 3, 4),
                       C(32, 1, 4, 3, 8), C(16, 1, 2, 3, 8)])
@@ -144,6 +147,7 @@ def family(name: str, dims: dict, rng, max_copies: int):
         def launch(cfg):
             return jax.jit(lambda x, sets: [jax.tree.leaves(router_logits(x, norm, 1e-6, ws, block_e=cfg.block_n,
                                                                           num_warps=cfg.num_warps, rounded=rounded,
+                                                                          chunk=256 * cfg.chunks_per_step,
                                                                           interpret=INTERP)) for ws in sets])
         return launch, (x, sets), w.nbytes, None
     pre = name.endswith("_pre")  # the Q8_1 rounding in a launch of its own first

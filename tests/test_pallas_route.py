@@ -82,20 +82,22 @@ def test_lowers_to_triton_for_h200(monkeypatch, N):
     assert placed == [("route_topk", 90, True)]
 
 
-@pytest.mark.parametrize("N, E, D, block_e", [(1, 128, 2048, 4), (8, 128, 2048, 16), (3, 60, 64, 8), (2, 8, 48, 4)])
-def test_router_logits_match_the_norm_and_product(N, E, D, block_e):
+@pytest.mark.parametrize("N, E, D, block_e, chunk", [(1, 128, 2048, 4, 256), (8, 128, 2048, 16, 256), (3, 60, 64, 8, 256),
+                                                     (2, 8, 48, 4, 256), (1, 128, 2048, 4, 2048)])
+def test_router_logits_match_the_norm_and_product(N, E, D, block_e, chunk):
     """Each logit within (D / chunk + chunk + 4) * 2^-24 * sum_d |h_d w_d| of rms_norm(x) @ w.T
-    in float64 (h: the normed row; chunk: router_logits' D chunk, <= 256); a logit of the wrong
+    in float64 (h: the normed row; chunk: router_logits' D chunk, the largest power of two dividing
+    D up to its ``chunk``; 2048: the whole row in one read); a logit of the wrong
     expert's row fails that bound."""
     rng = np.random.default_rng(N * 7 + E + D)
     x = jnp.asarray(rng.standard_normal((N, D)) * 3, jnp.float32)
     norm = jnp.asarray(rng.uniform(0.5, 2, D), jnp.float32)
     w = jnp.asarray(rng.standard_normal((E, D)) * 0.02, jnp.float32)
-    got = np.asarray(router_logits(x, norm, 1e-6, w, block_e=block_e, interpret=True), np.float64)
+    got = np.asarray(router_logits(x, norm, 1e-6, w, block_e=block_e, chunk=chunk, interpret=True), np.float64)
     h = np.asarray(rms_norm(x, norm, 1e-6), np.float64)  # [N, D], itself a few ulps from the kernel's
     wf = np.asarray(w, np.float64)
     ref, mag = h @ wf.T, np.abs(h) @ np.abs(wf).T
-    chunk = min(256, D & -D)
+    chunk = min(chunk, D & -D)
     bound = (D // chunk + chunk + 4) * 2.0 ** -24 * mag
     assert got.shape == (N, E) and (np.abs(got - ref) <= bound).all()
     assert not (np.abs(got - h @ np.roll(wf, 1, axis=0).T) <= bound).all()
@@ -143,13 +145,12 @@ def test_router_logits_refuses_what_it_cannot_serve():
 
 
 @pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
-@pytest.mark.parametrize("N", [1, 8])
-@pytest.mark.parametrize("rounded", [False, True])
-def test_router_logits_lower_to_triton_for_h200(monkeypatch, N, rounded):
+@pytest.mark.parametrize("N, rounded, chunk", [(1, False, 256), (8, False, 256), (1, True, 256), (8, True, 2048)])
+def test_router_logits_lower_to_triton_for_h200(monkeypatch, N, rounded, chunk):
     x = jax.ShapeDtypeStruct((N, 2048), jnp.float32)
     norm = jax.ShapeDtypeStruct((2048,), jnp.float32)
     w = jax.ShapeDtypeStruct((128, 2048), jnp.float32)
-    assert triton_kernels(monkeypatch, lambda x, n, w: router_logits(x, n, 1e-6, w, rounded=rounded), x, norm, w) == [
+    assert triton_kernels(monkeypatch, lambda x, n, w: router_logits(x, n, 1e-6, w, chunk=chunk, rounded=rounded), x, norm, w) == [
         ("router_logits", 90, True)]
 
 

@@ -50,6 +50,7 @@ LOGITS_MAX_ROWS = 8  # rows of x router_logits unrolls (a decode step's tokens)
 # router_logits' launch: experts a program and warps (none better at 1-8 of each on an H100,
 # benchmarks/gpu_2026-12-07-s29/call1)
 LOGITS_BLOCK_E, LOGITS_WARPS = 4, 4
+LOGITS_CHUNK = 256  # router_logits walks D in chunks of at most this many columns
 ROUND_BLOCKS = 64  # Q8_1 blocks a rounding program of router_logits(..., rounded=True) rounds at most
 __all__ = ["CardRoute", "route_topk", "router_logits", "router_logits_rounds", "router_logits_serves"]
 
@@ -163,9 +164,9 @@ def route_topk(router_logits: jax.Array, k: int, slot_table: jax.Array | None = 
     return experts, weights, margin, CardRoute(out[3][:N, :k], out[4][:N, :k])
 
 
-def _logits_chunk(d: int) -> int:
-    """The D chunk router_logits walks: the largest power of two <= 256 dividing D (0: none >= 16)."""
-    c = 256
+def _logits_chunk(d: int, largest: int = 256) -> int:
+    """The D chunk router_logits walks: the largest power of two <= ``largest`` dividing D (0: none >= 16)."""
+    c = largest
     while c >= 16 and d % c:
         c //= 2
     return c if c >= 16 else 0
@@ -222,14 +223,16 @@ def _logits(xn, w_ref, o_ref, n_rows: int, d: int, chunk: int) -> None:
         o_ref[b, :] = jnp.sum(acc, axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "block_e", "num_warps", "rounded", "interpret"))
+@functools.partial(jax.jit, static_argnames=("eps", "block_e", "num_warps", "chunk", "rounded", "interpret"))
 def router_logits(x: jax.Array, norm: jax.Array, eps: float, w: jax.Array, *, block_e: int = LOGITS_BLOCK_E,
-                  num_warps: int = LOGITS_WARPS, rounded: bool = False, interpret: bool = False):
+                  num_warps: int = LOGITS_WARPS, chunk: int = LOGITS_CHUNK, rounded: bool = False,
+                  interpret: bool = False):
     """``ops.norms.rms_norm(x, norm, eps) @ w.T`` in one launch (module docstring).
 
-    Each logit sums D products in chunks of ``chunk`` columns (one accumulator element a column),
+    Each logit sums D products in chunks of ``c`` columns (one accumulator element a column),
     then the chunk's columns: the sum order differs from a plain dot, so logits agree to
-    ~(D / chunk + chunk) * 2^-24 * sum_d |xn_d w_d|, and the normed row to a few ulps.
+    ~(D / c + c) * 2^-24 * sum_d |xn_d w_d|, and the normed row to a few ulps (c: the largest
+    power of two <= ``chunk`` dividing D).
 
     Args:
       x: float ``[N, D]``, N <= LOGITS_MAX_ROWS.
@@ -237,6 +240,7 @@ def router_logits(x: jax.Array, norm: jax.Array, eps: float, w: jax.Array, *, bl
       w: float32 ``[E, D]``, the router weight (``router_logits_serves``).
       block_e: experts a program (a power of two dividing E; lowered until it does).
       num_warps: warps a program.
+      chunk: columns a loop step reads at most (D itself: the program's rows in one read).
       rounded: also return the normed rows as Q8_1 blocks (``router_logits_rounds`` says
         whether a shape allows it): ``ops.actquant.quantize_q8_1(rms_norm(x, norm, eps))``, up
         to the normed row's last bits (a quant where a value lies within them of a rounding half).
@@ -269,7 +273,7 @@ def router_logits(x: jax.Array, norm: jax.Array, eps: float, w: jax.Array, *, bl
                       jax.ShapeDtypeStruct((n_rows, nb, 2), jnp.int32)]
         out_specs += [whole(n_rows, nb, 8), whole(n_rows, nb), whole(n_rows, nb, 2)]
     out = pl.pallas_call(
-        functools.partial(_logits_kernel, eps=float(eps), chunk=_logits_chunk(d), logit_programs=programs, bpp=bpp,
+        functools.partial(_logits_kernel, eps=float(eps), chunk=_logits_chunk(d, chunk), logit_programs=programs, bpp=bpp,
                           interpret=interpret),
         out_shape=out_shape,
         grid=(programs + (nb // bpp if bpp else 0),),
