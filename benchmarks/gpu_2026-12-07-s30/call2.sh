@@ -2,8 +2,8 @@
 # Thirtieth session, call 2 (a fresh machine): the builds start (llama.cpp on cores 0-11, the
 # 48-layer file on core 12); meanwhile on cores 13-15 the 8-layer decode profile of the tree
 # before this session's changes (.baseline/old = git archive 5f73e27 bloomery_jax scripts configs
-# pyproject.toml, run from its own root) and of this tree, the router launch with and without
-# rounding and gate/up on given blocks as picked; then our card bench under the GPU's defaults
+# pyproject.toml, run from its own root) and of this tree, the router launch without rounding
+# as picked and with it under its sweep (chunks up to whole rows); then our card bench under the GPU's defaults
 # while llama.cpp builds, llama-bench all on the card, and the ratios (gpu_hold.sh's
 # card_beside_llamacpp). call3.sh (the old tree's card bench) may follow at once.
 #   OUT=$OUT bash benchmarks/gpu_2026-12-07-s30/call2.sh     (carry .whl and .baseline)
@@ -33,8 +33,8 @@ print(sorted([(round(v, 1), k) for k, v in a.items()], reverse=True)[:14])
 PY
 done
 unset XLA_FLAGS
-PYTHONPATH=/tmp/site:$PWD taskset -c 13-15 timeout 60 python3 scripts/layer_kernel_bench.py --json $R/lkb.json \
-  --families router:current,router_rounded:current > $R/lkb.txt 2>&1
+PYTHONPATH=/tmp/site:$PWD taskset -c 13-15 timeout 70 python3 scripts/layer_kernel_bench.py --json $R/lkb.json \
+  --budget-s 55 --families router:current,router_rounded > $R/lkb.txt 2>&1
 grep -v Warn $R/lkb.txt | cut -c1-80
 tar czf $OUT/c2.tgz -C $R .
 for ((t = 0; t < 150; t += 2)); do [ -f /tmp/model48.done ] && break; sleep 2; done
