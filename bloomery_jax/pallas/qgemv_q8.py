@@ -153,12 +153,10 @@ class _RoundingRows:
     of the dot products. Programs of other row tiles (and other pairs of the token) round the
     same blocks and write the same bits to the same places: a benign race.
 
-    ``src[r, blocks, cols]``: row r of x as ``[K/32, 32]`` blocks (a ref, or a view forming the
-    row: ``_NormedRows``, ``_SwigluRows``), read four times with stride 4, so that element
-    4w + j of a block, byte j of its word w, lies in column w of read j and the words pack
-    without a reshape. Scratch: ``words [R, K/32, 8]``, and ``meta [R, K/32, 8]`` holding in
-    columns 0-2 the f32 bits of the block's scale and its two half-block quant sums (kept in the
-    words' layout: as [K/32] vectors each would cost a layout change through shared memory)."""
+    ``src``: x's rows as :func:`round_blocks` reads them. Scratch: ``words [R, K/32, 8]``, and
+    ``meta [R, K/32, 8]`` holding in columns 0-2 the f32 bits of the block's scale and its two
+    half-block quant sums (kept in the words' layout: as [K/32] vectors each would cost a layout
+    change through shared memory)."""
 
     def __init__(self, src, words_ref, meta_ref, n: int, interpret: bool):
         self.src, self.words, self.meta, self.n, self.interpret = src, words_ref, meta_ref, n, interpret
@@ -193,10 +191,10 @@ class RoundedBlocks(NamedTuple):
 
 def round_blocks(src, r: int, blocks, interpret: bool) -> RoundedBlocks:
     """Row r's 32-element blocks ``blocks`` (a ``pl.ds``) of ``src[r, blocks, cols]`` (x as
-    ``[K/32, 32]`` blocks: a ref or a view forming the row, see :class:`_RoundingRows`) rounded
-    as ``ops.actquant.quantize_q8_1`` rounds them, bit for bit: read four times with stride 4, so
-    element 4w + j of a block, byte j of its word w, lies in column w of read j and the words
-    pack without a reshape."""
+    ``[K/32, 32]`` blocks: a ref, or a view forming the row: ``_NormedRows``, ``_SwigluRows``)
+    rounded as ``ops.actquant.quantize_q8_1`` rounds them, bit for bit: read four times with
+    stride 4, so element 4w + j of a block, byte j of its word w, lies in column w of read j and
+    the words pack without a reshape."""
     n_blocks = blocks.size
     col = jax.lax.broadcasted_iota(jnp.int32, (n_blocks, 8), 1)
     xs = [src[r, blocks, pl.ds(j, 8, stride=4)].astype(F32) for j in range(4)]  # [nb, 8] each
