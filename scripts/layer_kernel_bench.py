@@ -26,8 +26,8 @@ of ``GemvConfig`` variants, the first being what the code picks today (``pick_co
   router   ``route.router_logits(x, norm, eps, w)``: the router's F32 [128, 2048] with the
            norm formed in-kernel; the config's block_n is its block_e, chunks_per_step its chunk
            in units of 256 columns and num_warps its warps (its other fields unused; not written
-           to --tuned-out); router_rounded: the same
-           launch also rounding the normed x to Q8_1 for the experts (``rounded=True``)
+           to --tuned-out); router_rounded: the same launch also rounding the normed x to Q8_1
+           for the experts (``rounded=True``)
 
 Timing: one jitted call makes the launch R times back to back, each on its own weight copy (the
 dense families, enough copies to outgrow the 60 MB L2) or its own set of 8 random experts (the
