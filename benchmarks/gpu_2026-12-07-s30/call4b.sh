@@ -12,7 +12,7 @@ nvidia-smi --query-gpu=name --format=csv,noheader
 python3 scripts/gpu_session.py --out /tmp/model48-out model > $R/model48.log 2>&1; sync
 tail -1 $R/model48.log | cut -c1-160
 python3 scripts/gpu_session.py --out $R --reps 3 --parallel 1 --kernels pallas-q8-bf16 --attention pallas --routing pallas \
-  --decode-block 8 --variant-timeout $((400 - SECONDS)) --bridge ffi --signal doorbell bench --only ncmoe36
+  --decode-block 8 --variant-timeout $((320 - SECONDS)) --bridge ffi --signal doorbell bench --only ncmoe36
 python3 - $R <<'PY'
 import glob, json, sys
 for f in glob.glob(sys.argv[1] + "/bench-ncmoe36-*.json"):
