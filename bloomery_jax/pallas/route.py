@@ -255,7 +255,7 @@ def router_logits(x: jax.Array, norm: jax.Array, eps: float, w: jax.Array, *, bl
     n_exp = w.shape[0]
     while n_exp % block_e:
         block_e //= 2
-    if rounded and d % 32:
+    if rounded and not router_logits_rounds(x.shape, w):  # serves() held above: the rows are not whole blocks
         raise ValueError(f"router_logits: rows of {d} are not Q8_1 blocks of 32 (router_logits_rounds)")
     programs = n_exp // block_e
     nb = d // 32
