@@ -32,6 +32,7 @@ them: the gate/up launch would norm and round them again in each of its hundreds
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -42,8 +43,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from ..ops.actquant import Q8Act
 from ..ops.routing import WEIGHT_SUM_MIN
-from .qgemv import _NormedRows
-from .qgemv_q8 import round_blocks
+from .qgemv import _NormedRows, row_index
+from .qgemv_q8 import _SummedRows, round_blocks
 
 F32 = jnp.float32
 LOGITS_MAX_ROWS = 8  # rows of x router_logits unrolls (a decode step's tokens)
@@ -52,7 +53,9 @@ LOGITS_MAX_ROWS = 8  # rows of x router_logits unrolls (a decode step's tokens)
 LOGITS_BLOCK_E, LOGITS_WARPS = 4, 4
 LOGITS_CHUNK = 256  # router_logits walks D in chunks of at most this many columns
 ROUND_BLOCKS = 64  # Q8_1 blocks a rounding program of router_logits(..., rounded=True) rounds at most
-__all__ = ["CardRoute", "route_topk", "router_logits", "router_logits_rounds", "router_logits_serves"]
+PARTS_MAX_ROWS = 8  # rows of partial sums router_logits(..., parts=) adds to x (each program reads them all)
+__all__ = ["CardRoute", "RouterOut", "new_ticket", "route_topk", "router_logits", "router_logits_adds",
+           "router_logits_rounds", "router_logits_routes", "router_logits_serves"]
 
 
 class CardRoute(NamedTuple):
@@ -67,16 +70,20 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _kernel(l_ref, *refs, k: int, n_exp: int, placed: bool):
-    # l_ref [TN, Ep] logits (padding -inf); placed: t_ref [1, Ep] the layer's slots (padding -1);
-    # e_ref, w_ref [TN, Kp]; m_ref [TN]; placed: s_ref, c_ref [TN, Kp] card slots and weights
-    if placed:
-        t_ref, e_ref, w_ref, m_ref, s_ref, c_ref = refs
-    else:
-        e_ref, w_ref, m_ref = refs
-    logits = l_ref[...].astype(F32)
+class _Picks(NamedTuple):
+    """A block of tokens' routing as the kernels write it ([TN, Kp], k of the Kp columns used)."""
+
+    experts: jax.Array  # int32 [TN, Kp]
+    weights: jax.Array  # float32 [TN, Kp]
+    margin: jax.Array  # float32 [TN]
+    slots: jax.Array | None  # int32 [TN, Kp] card slots, 0 for host experts (with a table)
+    card_weights: jax.Array | None  # float32 [TN, Kp], 0 for host experts (with a table)
+
+
+def _choose(logits: jax.Array, k: int, n_exp: int, kp: int, table: jax.Array | None) -> _Picks:
+    """Top-k routing of ``logits [TN, Ep]`` (padding -inf) in a kernel (module docstring); with
+    ``table [1, Ep]`` (the layer's card slots, padding -1) also the picks' card slots."""
     tn, ep = logits.shape
-    kp = e_ref.shape[1]
     ids = jax.lax.broadcasted_iota(jnp.int32, (tn, ep), 1)
     slot = jax.lax.broadcasted_iota(jnp.int32, (tn, kp), 1)
     top = jnp.max(logits, axis=1)  # [TN]
@@ -85,26 +92,37 @@ def _kernel(l_ref, *refs, k: int, n_exp: int, placed: bool):
     probs = jnp.zeros((tn, kp), F32)
     total = jnp.zeros((tn,), F32)
     remaining, last = logits, top
-    table = t_ref[...] if placed else None  # [1, Ep]
     slots = jnp.zeros((tn, kp), jnp.int32)
     for j in range(k):
         best = jnp.max(remaining, axis=1)  # [TN]
         pick = jnp.min(jnp.where(remaining == best[:, None], ids, ep), axis=1)  # lowest id among equals
         p = jnp.exp(best - top) / z
         experts = jnp.where(slot == j, pick[:, None], experts)
-        if placed:  # the pick's card slot, -1 = host
+        if table is not None:  # the pick's card slot, -1 = host
             slots = jnp.where(slot == j, jnp.max(jnp.where(ids == pick[:, None], table, -1), axis=1)[:, None], slots)
         probs = jnp.where(slot == j, p[:, None], probs)
         total = total + p
         remaining = jnp.where(ids == pick[:, None], -jnp.inf, remaining)
         last = best
     weights = probs / jnp.maximum(total, WEIGHT_SUM_MIN)[:, None]
-    e_ref[...] = experts
-    w_ref[...] = weights
-    m_ref[...] = last - jnp.max(remaining, axis=1) if k < n_exp else jnp.full((tn,), jnp.inf, F32)
-    if placed:
-        s_ref[...] = jnp.maximum(slots, 0)
-        c_ref[...] = jnp.where(slots >= 0, weights, 0.0)
+    margin = last - jnp.max(remaining, axis=1) if k < n_exp else jnp.full((tn,), jnp.inf, F32)
+    if table is None:
+        return _Picks(experts, weights, margin, None, None)
+    return _Picks(experts, weights, margin, jnp.maximum(slots, 0), jnp.where(slots >= 0, weights, 0.0))
+
+
+def _store_picks(picks: _Picks, refs) -> None:
+    """Write ``picks`` to its refs (experts, weights, margin, and with a table slots and card weights)."""
+    for ref, value in zip(refs, picks):
+        ref[...] = value
+
+
+def _kernel(l_ref, *refs, k: int, n_exp: int, placed: bool):
+    # l_ref [TN, Ep] logits (padding -inf); placed: t_ref [1, Ep] the layer's slots (padding -1);
+    # then the _Picks' refs ([TN, Kp] and m_ref [TN])
+    table = refs[0][...] if placed else None
+    outs = refs[1:] if placed else refs
+    _store_picks(_choose(l_ref[...].astype(F32), k, n_exp, outs[0].shape[1], table), outs)
 
 
 @functools.partial(jax.jit, static_argnames=("k", "layer", "block_tokens", "interpret"))
@@ -179,54 +197,157 @@ def router_logits_serves(n_rows: int, w) -> bool:
             and w.shape[0] % 4 == 0 and _logits_chunk(w.shape[1]) > 0)
 
 
-def _logits_kernel(x_ref, n_ref, w_ref, *refs, eps: float, chunk: int, logit_programs: int, bpp: int,
-                   interpret: bool):
-    # x_ref [N, D] rows of x; n_ref [D] the norm weight; w_ref [BE, D] router rows; refs: o_ref
-    # [N, BE], or with bpp (blocks a rounding program rounds) xb_ref [N, D/32, 32] and nb_ref
-    # [D/32, 32] (x and the norm as blocks) first, then o_ref and the Q8Act's qs [N, D/32, 8],
-    # d [N, D/32] and sums [N, D/32, 2]
-    n_rows, d = x_ref.shape
-    xn = _NormedRows(x_ref, n_ref, eps, n_rows)
-    if not bpp:
-        _logits(xn, w_ref, refs[0], n_rows, d, chunk)
-        return
-    xb_ref, nb_ref, o_ref, qs_ref, d_ref, sums_ref = refs
+def router_logits_rounds(x_shape: tuple, w) -> bool:
+    """``router_logits(..., rounded=True)`` takes x of this shape and this router weight (and
+    ``parts`` of as many rows as ``router_logits_adds`` allows): rows of whole Q8_1 blocks."""
+    return router_logits_serves(x_shape[0], w) and w.shape[1] % 32 == 0
+
+
+def router_logits_adds(x_shape: tuple, n_parts: int, w) -> bool:
+    """``router_logits(x, ..., parts=[n_parts, N, D])`` takes these: each program re-reads the
+    parts' rows whole, so at most ``PARTS_MAX_ROWS`` of them."""
+    return router_logits_rounds(x_shape, w) and 1 <= n_parts * x_shape[0] <= PARTS_MAX_ROWS
+
+
+def router_logits_routes(n_rows: int, w, k: int) -> bool:
+    """``router_logits(..., route_k=k)`` takes these: E a power of two (the last program holds a
+    row's logits as one tensor), ``0 < k <= E``."""
+    return router_logits_serves(n_rows, w) and w.shape[0] == _pow2(w.shape[0]) and 0 < k <= w.shape[0]
+
+
+def new_ticket() -> jax.Array:
+    """A counter for ``router_logits(..., route_k=)``: int32 ``[1]`` zeros. Each launch returns
+    it at 0 again, so one serves every layer of a step in turn."""
+    return jnp.zeros((1,), jnp.int32)
+
+
+class RouterOut(NamedTuple):
+    """``router_logits``' results beyond the logits; a field not asked for is None."""
+
+    logits: jax.Array  # float32 [N, E]
+    x8: Q8Act | None  # rounded: the normed rows as Q8_1 blocks
+    rows: jax.Array | None  # parts: x + sum_s parts[s], float32 [N, D] (the residual stream)
+    route: tuple | None  # route_k: route_topk's (experts, weights, margin[, CardRoute])
+    ticket: jax.Array | None  # route_k: the counter, back at 0
+
+
+class _ResidualRows:
+    """``view[b, *idx]`` is row b of x plus split-K partials: ``parts[s, b, *idx]`` added in order
+    s = 0, 1, ..., then ``x[b, *idx]`` (a residual stream and the partial sums of the launch that
+    adds to it, read where the router forms its rows, so no launch adds them up first)."""
+
+    def __init__(self, x_ref, parts_ref):
+        self.x, self.parts, self.shape = x_ref, _SummedRows(parts_ref), x_ref.shape
+
+    def __getitem__(self, idx):
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        return self.parts[idx] + self.x[(row_index(idx[0]), *idx[1:])]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Launch:
+    """What a router_logits launch holds besides x, the norm and the router (static)."""
+
+    logit_programs: int
+    bpp: int  # Q8_1 blocks an extra program takes (0: no extra programs)
+    rounded: bool
+    parts: bool
+    k: int  # experts a token the last logit program routes to (0: none)
+    n_exp: int
+    placed: bool
+
+    def unpack(self, refs):
+        """The kernel's refs by name (None where the launch has none)."""
+        refs = list(refs)
+        take = lambda on: refs.pop(0) if on else None  # noqa: E731
+        r = dict(x=take(True), norm=take(True), w=take(True), parts=take(self.parts), xb=take(self.bpp),
+                 nb=take(self.bpp), pb=take(self.bpp and self.parts), table=take(self.placed))
+        take(self.k)  # the ticket's input: the same buffer as its output
+        r.update(logits=take(True), qs=take(self.rounded), d=take(self.rounded), sums=take(self.rounded),
+                 rows=take(self.parts))
+        r["picks"] = [take(self.k) for _ in range(5 if self.placed else 3)] if self.k else None
+        r["ticket"] = take(self.k)
+        return r
+
+
+def _logits_kernel(*refs, lay: _Launch, eps: float, chunk: int, interpret: bool):
+    # x [N, D] rows of x; norm [D]; w [BE, D] router rows; parts [S, N, D]; xb [N, D/32, 32], nb
+    # [D/32, 32], pb [S, N, D/32, 32]: x, the norm and the parts as blocks; table [1, E] the
+    # layer's card slots. Out: logits [N, BE] ([N, E] with route_k); the Q8Act's qs [N, D/32, 8],
+    # d [N, D/32] and sums [N, D/32, 2]; rows [N, D/32, 32]; the _Picks' refs; the ticket [1]
+    r = lay.unpack(refs)
+    n_rows, d = r["x"].shape
+    x = r["x"] if r["parts"] is None else _ResidualRows(r["x"], r["parts"])
+    xn = _NormedRows(x, r["norm"], eps, n_rows)
     j = pl.program_id(0)
 
-    @pl.when(j < logit_programs)
+    def logit_program():
+        be = r["w"].shape[0]
+        cols = pl.ds(pl.multiple_of(j * be, be), be) if lay.k else slice(None)  # a whole [N, E] block with route_k
+        _logits(xn, r["w"], r["logits"], cols, n_rows, d, chunk)
+        if lay.k:
+            _route_when_last(r, lay, n_rows, interpret)
+
+    if not lay.bpp:
+        logit_program()
+        return
+    pl.when(j < lay.logit_programs)(logit_program)
+
+    @pl.when(j >= lay.logit_programs)  # the programs after the logits' write the rows' blocks beside them
     def _():
-        _logits(xn, w_ref, o_ref, n_rows, d, chunk)
+        blocks = pl.ds(pl.multiple_of((j - lay.logit_programs) * lay.bpp, lay.bpp), lay.bpp)
+        xb = r["xb"] if r["pb"] is None else _ResidualRows(r["xb"], r["pb"])
+        for b in range(n_rows):
+            if r["rows"] is not None:
+                r["rows"][b, blocks, :] = xb[b, blocks, :]
+            if lay.rounded:
+                half = jax.lax.broadcasted_iota(jnp.int32, (lay.bpp, 2), 1)
+                q = round_blocks(xn.on(xb, r["nb"]), b, blocks, interpret)
+                r["qs"][b, blocks, :] = q.words
+                r["d"][b, blocks] = jnp.max(q.d, axis=1)  # [bpp]: the same value in each of a block's words
+                r["sums"][b, blocks, :] = jnp.where(half == 0, q.lo, q.hi)
 
-    @pl.when(j >= logit_programs)  # the programs after the logits' round the normed rows beside them
-    def _():
-        blocks = pl.ds(pl.multiple_of((j - logit_programs) * bpp, bpp), bpp)
-        half = jax.lax.broadcasted_iota(jnp.int32, (bpp, 2), 1)
-        src = xn.on(xb_ref, nb_ref)
-        for r in range(n_rows):
-            b = round_blocks(src, r, blocks, interpret)
-            qs_ref[r, blocks, :] = b.words
-            d_ref[r, blocks] = jnp.max(b.d, axis=1)  # [bpp]: the same value in each of a block's words
-            sums_ref[r, blocks, :] = jnp.where(half == 0, b.lo, b.hi)
 
-
-def _logits(xn, w_ref, o_ref, n_rows: int, d: int, chunk: int) -> None:
-    """This program's logits: its router rows times the normed rows, walking D in chunks."""
+def _logits(xn, w_ref, o_ref, cols, n_rows: int, d: int, chunk: int) -> None:
+    """This program's logits (columns ``cols`` of o_ref): its router rows times the normed rows,
+    walking D in chunks."""
     be = w_ref.shape[0]
 
     def step(c, accs):
-        cols = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
-        w = w_ref[:, cols]  # [BE, chunk]
-        return tuple(acc + w * xn[b, cols][None, :] for b, acc in enumerate(accs))
+        ks = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
+        w = w_ref[:, ks]  # [BE, chunk]
+        return tuple(acc + w * xn[b, ks][None, :] for b, acc in enumerate(accs))
 
     accs = jax.lax.fori_loop(0, d // chunk, step, tuple(jnp.zeros((be, chunk), F32) for _ in range(n_rows)))
     for b, acc in enumerate(accs):
-        o_ref[b, :] = jnp.sum(acc, axis=1)
+        o_ref[b, cols] = jnp.sum(acc, axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "block_e", "num_warps", "chunk", "rounded", "interpret"))
-def router_logits(x: jax.Array, norm: jax.Array, eps: float, w: jax.Array, *, block_e: int = LOGITS_BLOCK_E,
-                  num_warps: int = LOGITS_WARPS, chunk: int = LOGITS_CHUNK, rounded: bool = False,
-                  interpret: bool = False):
+def _route_when_last(r, lay: _Launch, n_rows: int, interpret: bool) -> None:
+    """The logit program that finishes last routes every row. Each takes a ticket after its
+    logits are stored: a barrier first (every thread's stores made before the ticket, whose
+    atomic add releases them at GPU scope); the holder of the last ticket acquires with it,
+    reads all logits past the L1 (volatile) and sets the counter back to 0."""
+    if not interpret:  # the interpreter runs programs one by one (and has no barrier rule)
+        plgpu.debug_barrier()
+    ticket = plgpu.atomic_add(r["ticket"], (jnp.int32(0),), jnp.int32(1))
+
+    @pl.when(ticket == lay.logit_programs - 1)
+    def _():
+        table = None if r["table"] is None else r["table"][...]  # [1, E]
+        for b in range(n_rows):
+            logits = plgpu.load(r["logits"].at[pl.ds(b, 1), :], volatile=True)  # [1, E]
+            picks = _choose(logits, lay.k, lay.n_exp, r["picks"][0].shape[1], table)
+            _store_picks(picks, [ref.at[pl.ds(b, 1)] for ref in r["picks"]])
+        r["ticket"][...] = jnp.zeros((1,), jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "route_k", "layer", "block_e", "num_warps", "chunk", "rounded",
+                                             "interpret"))
+def router_logits(x: jax.Array, norm: jax.Array, eps: float, w: jax.Array, *, parts: jax.Array | None = None,
+                  rounded: bool = False, route_k: int = 0, slot_table: jax.Array | None = None, layer: int = 0,
+                  ticket: jax.Array | None = None, block_e: int = LOGITS_BLOCK_E, num_warps: int = LOGITS_WARPS,
+                  chunk: int = LOGITS_CHUNK, interpret: bool = False):
     """``ops.norms.rms_norm(x, norm, eps) @ w.T`` in one launch (module docstring).
 
     Each logit sums D products in chunks of ``c`` columns (one accumulator element a column),
@@ -238,15 +359,21 @@ def router_logits(x: jax.Array, norm: jax.Array, eps: float, w: jax.Array, *, bl
       x: float ``[N, D]``, N <= LOGITS_MAX_ROWS.
       norm: float ``[D]``, the RMS-norm weight; eps its epsilon.
       w: float32 ``[E, D]``, the router weight (``router_logits_serves``).
-      block_e: experts a program (a power of two dividing E; lowered until it does).
-      num_warps: warps a program.
-      chunk: columns a loop step reads at most (D itself: the program's rows in one read).
+      parts: float32 ``[S, N, D]`` or None: the rows are ``sum_s parts[s] + x`` (the partial
+        sums added in order, then x), also returned (``router_logits_adds``).
       rounded: also return the normed rows as Q8_1 blocks (``router_logits_rounds`` says
         whether a shape allows it): ``ops.actquant.quantize_q8_1(rms_norm(x, norm, eps))``, up
         to the normed row's last bits (a quant where a value lies within them of a rounding half).
+      route_k: > 0: also route each row to its ``route_k`` experts as ``route_topk`` does
+        (``router_logits_routes``), in the program that finishes its logits last.
+      slot_table, layer: with route_k, as for ``route_topk`` (a CardRoute too).
+      ticket: with route_k, int32 ``[1]`` zeros (``new_ticket``), returned at 0 again.
+      block_e: experts a program (a power of two dividing E; lowered until it does).
+      num_warps: warps a program.
+      chunk: columns a loop step reads at most (D itself: the program's rows in one read).
       interpret: run with the Pallas interpreter (CPU tests).
     Returns:
-      float32 ``[N, E]``; with ``rounded``, and a :class:`Q8Act` of ``[N, D]``.
+      float32 ``[N, E]``; with ``parts``, ``rounded`` or ``route_k`` a :class:`RouterOut`.
     """
     if x.ndim != 2 or not router_logits_serves(x.shape[0], w) or w.shape[1] != x.shape[1] or norm.shape != (x.shape[1],):
         raise ValueError(f"router_logits: needs x [N<={LOGITS_MAX_ROWS}, D], norm [D] and a float32 router "
@@ -255,40 +382,82 @@ def router_logits(x: jax.Array, norm: jax.Array, eps: float, w: jax.Array, *, bl
     n_exp = w.shape[0]
     while n_exp % block_e:
         block_e //= 2
-    if rounded and not router_logits_rounds(x.shape, w):  # serves() held above: the rows are not whole blocks
+    if (rounded or parts is not None) and not router_logits_rounds(x.shape, w):  # serves() held above
         raise ValueError(f"router_logits: rows of {d} are not Q8_1 blocks of 32 (router_logits_rounds)")
+    if parts is not None and not (parts.ndim == 3 and parts.shape[1:] == x.shape
+                                  and router_logits_adds(x.shape, parts.shape[0], w)):
+        raise ValueError(f"router_logits: parts must be [S, {n_rows}, {d}] with S * {n_rows} <= {PARTS_MAX_ROWS} "
+                         f"(router_logits_adds), got {parts.shape}")
+    placed = slot_table is not None
+    if route_k and not (router_logits_routes(n_rows, w, route_k) and ticket is not None and ticket.shape == (1,)):
+        raise ValueError(f"router_logits: routing to {route_k} of {n_exp} experts needs E a power of two, "
+                         f"0 < k <= E and a ticket (new_ticket), got ticket {None if ticket is None else ticket.shape}")
+    if placed and not (route_k and slot_table.ndim == 2 and slot_table.shape[1] == n_exp
+                       and 0 <= layer < slot_table.shape[0]):
+        raise ValueError(f"router_logits: slot_table must be [L, {n_exp}] with layer in [0, L), and route_k > 0, "
+                         f"got {slot_table.shape}, layer {layer}, route_k {route_k}")
     programs = n_exp // block_e
     nb = d // 32
-    bpp = min(nb & -nb, ROUND_BLOCKS) if rounded else 0  # a power of two dividing the blocks
-    last = programs - 1  # the rounding programs' (unused) router and logit blocks
+    bpp = min(nb & -nb, ROUND_BLOCKS) if rounded or parts is not None else 0  # a power of two dividing the blocks
+    lay = _Launch(programs, bpp, rounded, parts is not None, route_k, n_exp, placed)
+    last = programs - 1  # the extra programs' (unused) router and logit blocks
     whole = lambda *shape: pl.BlockSpec(shape, lambda j: (0,) * len(shape))  # noqa: E731
-    operands = [x.astype(F32), norm.astype(F32), w]
+    x32, n32 = x.astype(F32), norm.astype(F32)
+    operands = [x32, n32, w]
     in_specs = [whole(n_rows, d), whole(d), pl.BlockSpec((block_e, d), lambda j: (jnp.minimum(j, last), 0))]
-    out_shape = [jax.ShapeDtypeStruct((n_rows, n_exp), F32)]
-    out_specs = [pl.BlockSpec((n_rows, block_e), lambda j: (0, jnp.minimum(j, last)))]
-    if bpp:  # x and the norm again as [D/32, 32] blocks; each rounding program writes its blocks of the whole Q8Act
-        operands += [operands[0].reshape(n_rows, nb, 32), operands[1].reshape(nb, 32)]
+    if lay.parts:
+        operands.append(parts.astype(F32))
+        in_specs.append(whole(*parts.shape))
+    if bpp:  # x, the norm and the parts again as [D/32, 32] blocks, which the extra programs take in turn
+        operands += [x32.reshape(n_rows, nb, 32), n32.reshape(nb, 32)]
         in_specs += [whole(n_rows, nb, 32), whole(nb, 32)]
+        if lay.parts:
+            operands.append(operands[3].reshape(parts.shape[0], n_rows, nb, 32))
+            in_specs.append(whole(parts.shape[0], n_rows, nb, 32))
+    if placed:  # the whole table goes in; one row is read
+        operands.append(slot_table.astype(jnp.int32))
+        in_specs.append(pl.BlockSpec((1, n_exp), lambda j: (layer, 0)))
+    aliases = {}
+    if route_k:
+        aliases[len(operands)] = None  # set below, when the ticket's output index is known
+        operands.append(ticket)
+        in_specs.append(whole(1))
+    out_shape = [jax.ShapeDtypeStruct((n_rows, n_exp), F32)]
+    out_specs = [whole(n_rows, n_exp) if route_k else pl.BlockSpec((n_rows, block_e), lambda j: (0, jnp.minimum(j, last)))]
+    if rounded:  # each extra program writes its blocks of the whole Q8Act
         out_shape += [jax.ShapeDtypeStruct((n_rows, nb, 8), jnp.int32), jax.ShapeDtypeStruct((n_rows, nb), F32),
                       jax.ShapeDtypeStruct((n_rows, nb, 2), jnp.int32)]
         out_specs += [whole(n_rows, nb, 8), whole(n_rows, nb), whole(n_rows, nb, 2)]
+    if lay.parts:
+        out_shape.append(jax.ShapeDtypeStruct((n_rows, nb, 32), F32))
+        out_specs.append(whole(n_rows, nb, 32))
+    if route_k:
+        kp = _pow2(route_k)
+        picks = [(jnp.int32, (n_rows, kp)), (F32, (n_rows, kp)), (F32, (n_rows,))]
+        picks += [(jnp.int32, (n_rows, kp)), (F32, (n_rows, kp))] if placed else []
+        out_shape += [jax.ShapeDtypeStruct(shape, dt) for dt, shape in picks] + [jax.ShapeDtypeStruct((1,), jnp.int32)]
+        out_specs += [whole(*shape) for _, shape in picks] + [whole(1)]
+        aliases = {i: len(out_shape) - 1 for i in aliases}
     out = pl.pallas_call(
-        functools.partial(_logits_kernel, eps=float(eps), chunk=_logits_chunk(d, chunk), logit_programs=programs, bpp=bpp,
-                          interpret=interpret),
+        functools.partial(_logits_kernel, lay=lay, eps=float(eps), chunk=_logits_chunk(d, chunk), interpret=interpret),
         out_shape=out_shape,
         grid=(programs + (nb // bpp if bpp else 0),),
         in_specs=in_specs,
         out_specs=out_specs,
+        input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
         interpret=interpret,
         name="router_logits",
     )(*operands)
-    if not bpp:
+    if not (rounded or lay.parts or route_k):
         return out[0]
-    logits, qs, dq, sums = out
-    return logits, Q8Act(qs.reshape(n_rows, d // 4), dq, sums.reshape(n_rows, d // 16))
-
-
-def router_logits_rounds(x_shape: tuple, w) -> bool:
-    """``router_logits(..., rounded=True)`` takes x of this shape and this router weight."""
-    return router_logits_serves(x_shape[0], w) and w.shape[1] % 32 == 0
+    out = list(out)
+    logits = out.pop(0)
+    x8 = Q8Act(out.pop(0).reshape(n_rows, d // 4), out.pop(0), out.pop(0).reshape(n_rows, d // 16)) if rounded else None
+    rows = out.pop(0).reshape(n_rows, d) if lay.parts else None
+    route, new = None, None
+    if route_k:
+        experts, weights, margin = out[0][:, :route_k], out[1][:, :route_k], out[2]
+        route = (experts, weights, margin) + ((CardRoute(out[3][:, :route_k], out[4][:, :route_k]),) if placed else ())
+        new = out[-1]
+    return RouterOut(logits, x8, rows, route, new)
