@@ -16,6 +16,7 @@ pp512's breakdown. Prints one JSON line:
                    kernels, which inside a CUDA graph are the graph's per-node cost
   timeline         the middle traced step's kernels in order: name, start offset and duration (us)
   kernels          the top --top kernels: name, calls and microseconds per step, share of busy time
+  families         the same for every kernel family: the name up to XLA's ``__N`` (one a layer)
 
 Beside profile.json, events.json.gz keeps every event of the trace (host threads too), compact.
 
@@ -138,16 +139,23 @@ def save_events(events: list[dict], dest: Path) -> None:
         json.dump(dict(threads=threads, events=rows), f)
 
 
-def summarize(events: list[dict], steps: int, top: int) -> tuple[float, list[dict]]:
+def summarize(events: list[dict], steps: int, top: int) -> tuple[float, list[dict], list[dict]]:
+    """Busy ms a step, the top kernels by name, and every kernel family (the name up to its
+    ``__N``: XLA numbers one kernel's copies, one a layer) by time."""
     by_name = collections.defaultdict(lambda: [0, 0.0])  # name -> [calls, total us]
+    by_family = collections.defaultdict(lambda: [0, 0.0])
     for e in events:
-        row = by_name[e["name"]]
-        row[0] += 1
-        row[1] += float(e.get("dur", 0.0))
+        for row in (by_name[e["name"]], by_family[e["name"].split("__")[0]]):
+            row[0] += 1
+            row[1] += float(e.get("dur", 0.0))
     busy = sum(us for _, us in by_name.values()) / steps
-    rows = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
-    return busy / 1e3, [dict(name=name[:120], calls_per_step=round(calls / steps, 2), us_per_step=round(us / steps, 1),
-                             share=round(us / steps / busy, 3) if busy else 0.0) for name, (calls, us) in rows]
+
+    def table(groups, n=None):
+        rows = sorted(groups.items(), key=lambda kv: -kv[1][1])[:n]
+        return [dict(name=name[:120], calls_per_step=round(calls / steps, 2), us_per_step=round(us / steps, 1),
+                     share=round(us / steps / busy, 3) if busy else 0.0) for name, (calls, us) in rows]
+
+    return busy / 1e3, table(by_name, top), table(by_family)
 
 
 def split_steps(events: list[dict], gap_us: float) -> list[list[dict]]:
@@ -222,7 +230,7 @@ def main(argv=None):
     run(2 * a.decode_block)  # compile and warm
     compile_s = time.perf_counter() - t0
     dispatch, total = run(a.steps)
-    busy_ms, kernels, span_ms, n_split, middle = None, [], None, None, []
+    busy_ms, kernels, families, span_ms, n_split, middle = None, [], [], None, None, []
     if not a.no_trace:
         trace_dir = a.out / "trace"
         with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
@@ -230,7 +238,7 @@ def main(argv=None):
         everything = trace_events(trace_dir)
         save_events(everything, a.out / "events.json.gz")
         events = device_events(everything)
-        busy_ms, kernels = summarize(events, a.steps, a.top)
+        busy_ms, kernels, families = summarize(events, a.steps, a.top)
         steps = split_steps(events, a.step_gap_us)
         n_split = len(steps)  # a.steps when the gap threshold separates exactly the steps
         span_ms = statistics.median(step_spans(steps)) / 1e3
@@ -244,10 +252,11 @@ def main(argv=None):
                   device_busy_ms=None if busy_ms is None else round(busy_ms, 3),
                   device_span_ms=None if span_ms is None else round(span_ms, 3), traced_steps_found=n_split,
                   xla_flags=os.environ.get("XLA_FLAGS", ""),
-                  kernels_top=kernels, timeline=middle)
+                  kernels_top=kernels, families=families, timeline=middle)
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "profile.json").write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "timeline"}))  # the timeline is in profile.json
+    print("families, us a step:", ", ".join(f"{f['name']} {f['us_per_step']} ({f['calls_per_step']:g})" for f in families[:16]))
 
 
 if __name__ == "__main__":

@@ -114,8 +114,9 @@ def load_model(path: str | os.PathLike, *, device=None, place="card", reserve_by
         jax.pure_callback), "ffi" (``host.ffi.FfiHostBridge``, an XLA FFI custom call; the
         same results bit for bit; ConfigError where its library cannot be built) or "auto"
         (``resolve_bridge``).
-      routing: "xla" (``ops.routing``, jnp) or "pallas" (``pallas.route_topk``: softmax and top-k
-        in one kernel). ConfigError for an architecture without it; "auto" as for attention.
+      routing: "xla" (``ops.routing``, jnp), "pallas" (``pallas.route_topk``: softmax and top-k
+        in one kernel; at decode inside the router's launch) or "pallas-split" (a launch of its
+        own at decode too). ConfigError for an architecture without it; "auto" as for attention.
     Returns:
       the Model.
     """

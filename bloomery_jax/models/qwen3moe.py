@@ -9,6 +9,7 @@ by the synthesizer); ``forward`` is the pure step (jit it with ``jit_forward``).
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -22,9 +23,11 @@ from ..ops.qmatmul import as_f32, interpret_kernels, qmatmul, qmatmul_many, take
 from ..ops.rope import RopeConfig, apply_rope, rope_cos_sin
 from ..ops.routing import route_topk
 from ..pallas import attn_prep
+from ..pallas.qgemv import add_partials
+from ..pallas.route import RouterOut, new_ticket, router_logits_adds, router_logits_rounds, router_logits_routes
 from ..pallas.route import route_topk as fused_route_topk
 from ..pallas.route import router_logits as router_logits_kernel
-from ..pallas.route import router_logits_rounds, router_logits_serves
+from ..pallas.route import router_logits_serves
 from .kv_cache import KVCache
 from .spec import TensorSpec, attention_specs, embedding_specs
 
@@ -68,7 +71,9 @@ class Config:
     # (models.loader's attention=); "xla" is ops.attention's jnp.
     attention: str = "xla"
     # Not from the file: "pallas" routes with pallas.route_topk (softmax and top-k in one kernel;
-    # models.loader's routing=); "xla" is ops.routing's jnp.
+    # models.loader's routing=), in a decode step inside the router's launch
+    # (pallas.route.router_logits' route_k); "pallas-split" keeps the top-k a launch of its own;
+    # "xla" is ops.routing's jnp.
     routing: str = "xla"
 
     @property
@@ -234,6 +239,17 @@ class Routing:
     margin: jax.Array  # float32 [L, B, T]: k-th minus (k+1)-th router logit (near-tie detector)
 
 
+class Pending(NamedTuple):
+    """A residual add not made yet: ``x + sum_s parts[s]``, parts the split-K partial sums
+    ``[S, B*T, D]`` of the product added to x."""
+
+    x: jax.Array  # [B, T, D]
+    parts: jax.Array  # [S, B*T, D]
+
+    def total(self) -> jax.Array:
+        return self.x + add_partials(self.parts).reshape(self.x.shape)
+
+
 def _attention_block(params, cfg: Config, i: int, x, cos, sin, positions, cache: KVCache, mask):
     b = f"blk.{i}."
     B, T, _ = x.shape
@@ -265,45 +281,66 @@ def _attention_block(params, cfg: Config, i: int, x, cos, sin, positions, cache:
         k_all, v_all = cache.layer(i)  # [B, S, Hkv, Dh]
         o = gqa_attention(q, k_all, v_all, mask, cfg.attn_scale)  # [B, T, Hq, Dh]
     o = o.reshape(B, T, cfg.q_dim)  # [B, T, Hq*Dh]
+    if one_token:  # the residual add waits for the MoE block, whose router launch may make it
+        return Pending(x, qmatmul(o, params[b + "attn_output.weight"], ar, partials=True)), cache
     return x + qmatmul(o, params[b + "attn_output.weight"], ar, cfg.prefill_precision), cache
 
 
-def _moe_block(params, cfg: Config, i: int, x, placement):
+def _router(cfg: Config, x, parts, norm, router_f32, gate, placement, i: int, ticket):
+    """A decode step's router launch (``pallas.route.router_logits``): the norm, the router
+    product, and as far as the shapes allow the pending residual add (returned as the new x), the
+    rounding of the normed x for the integer-dot experts (x8) and, for routing "pallas", the
+    top-k (with the placement's card slots). Returns (x, x8, logits, route or None, ticket)."""
+    B, T, D = x.shape
+    N, k = B * T, cfg.n_experts_used
+    if parts is not None and not router_logits_adds((N, D), parts.shape[0], router_f32):
+        x, parts = Pending(x, parts).total(), None
+    rounded = takes_rounded_x(gate, N, k, cfg.act_rounding) and router_logits_rounds((N, D), router_f32)
+    route_k = k if cfg.routing == "pallas" and router_logits_routes(N, router_f32, k) else 0
+    table = {} if placement is None or not route_k else dict(slot_table=placement.slot_of, layer=i)
+    out = router_logits_kernel(x.reshape(N, D), *norm, router_f32, parts=parts, rounded=rounded, route_k=route_k,
+                               ticket=ticket if route_k else None, **table, interpret=interpret_kernels())
+    if not isinstance(out, RouterOut):
+        return x, None, out, None, ticket
+    x = x if out.rows is None else out.rows.reshape(B, T, D)
+    return x, out.x8, out.logits, out.route, out.ticket if route_k else ticket
+
+
+def _moe_block(params, cfg: Config, i: int, x, placement, ticket=None):
+    """The MoE block on x (or a :class:`Pending` add, made here); ``ticket``: the router
+    launch's counter (``pallas.route.new_ticket``). Returns (x, route, ticket)."""
     b = f"blk.{i}."
+    x, parts = (x.x, x.parts) if isinstance(x, Pending) else (x, None)
     B, T, D = x.shape
     norm = (as_f32(params[b + "ffn_norm.weight"]), cfg.rms_eps)
     router = params[b + "ffn_gate_inp.weight"]
     # an F32 router's values (as_f32 computes nothing for them), which the reference also
     # multiplies by x unrounded
     router_f32 = as_f32(router) if weight_qtype(router) == 0 else None
-    card, x8 = None, None
     gate = params[b + "ffn_gate_exps.weight"]
-    if cfg.routing == "pallas" and router_f32 is not None and router_logits_serves(B * T, router_f32):
-        # a decode step's norm and router product in one launch, which also leaves the normed x
-        # rounded to Q8_1 where the integer-dot experts read it (x8)
-        rounded = (takes_rounded_x(gate, B * T, cfg.n_experts_used, cfg.act_rounding)
-                   and router_logits_rounds((B * T, D), router_f32))
-        router_logits = router_logits_kernel(x.reshape(B * T, D), *norm, router_f32, rounded=rounded,
-                                             interpret=interpret_kernels())
-        if rounded:
-            router_logits, x8 = router_logits
+    route, card, x8 = None, None, None
+    if cfg.routing != "xla" and router_f32 is not None and router_logits_serves(B * T, router_f32):
+        x, x8, router_logits, route, ticket = _router(cfg, x, parts, norm, router_f32, gate, placement, i, ticket)
     else:
+        x = x if parts is None else Pending(x, parts).total()
         h = rms_norm(x, *norm).reshape(B * T, D)  # [N, D]
         router_logits = qmatmul(h, router, cfg.act_rounding)  # [N, E]
-    if cfg.routing == "pallas":
+    if route is not None:  # routed in the router's launch
+        experts, weights, margin, *card = route
+    elif cfg.routing != "xla":
         # with a placement the kernel also looks up each pick's card slot (no lookup kernel)
         table = () if placement is None else (placement.slot_of, i)
         experts, weights, margin, *card = fused_route_topk(router_logits, cfg.n_experts_used, *table,
                                                            interpret=interpret_kernels())
-        card = card[0] if card else None
     else:
         experts, weights, margin = route_topk(router_logits, cfg.n_experts_used)  # [N, k], [N, k], [N]
+    card = card[0] if card else None
     # the experts take x and the norm: the decode GEMV forms it in-kernel, so h feeds only the router
     y = placed_moe_swiglu(x.reshape(B * T, D), experts, weights, gate, params[b + "ffn_up_exps.weight"],
                           params[b + "ffn_down_exps.weight"], cfg.act_rounding, placement, i, cfg.prefill_precision,
                           norm, card, x8)  # [N, D]
     k = cfg.n_experts_used
-    return x + y.reshape(B, T, D), (experts.reshape(B, T, k), weights.reshape(B, T, k), margin.reshape(B, T))
+    return x + y.reshape(B, T, D), (experts.reshape(B, T, k), weights.reshape(B, T, k), margin.reshape(B, T)), ticket
 
 
 def forward(params, cfg: Config, tokens, positions, cache: KVCache, placement=None, logits_at=None):
@@ -331,9 +368,10 @@ def forward(params, cfg: Config, tokens, positions, cache: KVCache, placement=No
     mask = cache.mask(positions)  # [B, T, S]
     x = take_rows(params["token_embd.weight"], tokens)  # [B, T, D]
     routes = []
+    ticket = new_ticket() if cfg.routing == "pallas" else None  # the router launches' counter, one for all layers
     for i in range(cfg.n_layers):  # a Python loop: tensor types may differ between layers
         x, cache = _attention_block(params, cfg, i, x, cos, sin, positions, cache, mask)
-        x, route = _moe_block(params, cfg, i, x, placement)
+        x, route, ticket = _moe_block(params, cfg, i, x, placement, ticket)
         routes.append(route)
     if logits_at is not None:  # only the rows asked for go through the norm and the V-wide output matmul
         x = jnp.take_along_axis(x, jnp.asarray(logits_at, jnp.int32)[:, :, None], axis=1)  # [B, R, D]

@@ -453,9 +453,9 @@ def _dense_kernel(*refs, source: _XSource, qtype, per_program: int, interpret: b
     _body(xs, w_refs, store, qtype=qtype, bn=o_ref.shape[2], per_program=per_program, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "round_first", "interpret"))
+@functools.partial(jax.jit, static_argnames=("config", "round_first", "partials", "interpret"))
 def qgemv_q8(x, w: PackedWeight, *, config: GemvConfig | None = None, round_first: bool | None = None,
-             interpret: bool = False) -> jax.Array:
+             partials: bool = False, interpret: bool = False) -> jax.Array:
     """``x @ W^T`` for up to 8 activation rows on integer dot products, float32.
 
     Args:
@@ -468,9 +468,11 @@ def qgemv_q8(x, w: PackedWeight, *, config: GemvConfig | None = None, round_firs
       round_first: for float x, round it with ``quantize_q8_1`` before the launch (True) or in
         every program (False); None: first where the launch has more than
         ``ROUND_FIRST_PROGRAMS`` programs. The output is the same either way.
+      partials: return the launch's split-K partial sums ``[S, B, N]`` (added in order s = 0, 1,
+        ... where the next launch reads them), not their sum.
       interpret: Pallas interpreter with the dp4a emulation (CPU tests).
     Returns:
-      float32 ``[B, N]``.
+      float32 ``[B, N]`` (``[S, B, N]`` with ``partials``).
     """
     qtype = _check(w, 2, "qgemv_q8")
     n, k = w.shape
@@ -486,12 +488,13 @@ def qgemv_q8(x, w: PackedWeight, *, config: GemvConfig | None = None, round_firs
     bn, per_program, split = _launch(qtype, n, k, cfg)
     arrays, specs = _weight_operands(w, bn)  # the planes kernel's fields and specs: same order, same grid
     xo = _x_operands(x, "qgemv_q8", k, rows, _ALL_ROWS)
-    return add_partials(_call(
+    y = _call(
         functools.partial(_dense_kernel, source=xo.source, qtype=qtype, per_program=per_program, interpret=interpret),
         xo, y=jax.ShapeDtypeStruct((split, rows, n), F32), y_spec=pl.BlockSpec((1, rows, bn), lambda s, i: (s, 0, i)),
         grid=(split, n // bn), w_specs=specs, interpret=interpret, name=f"qgemv_q8_{qtype.name.lower()}",
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-    )((), arrays))
+    )((), arrays)
+    return y if partials else add_partials(y)
 
 
 def _moe_kernel(e_ref, *refs, source: _XSource, qtype, n_experts: int, per_program: int, interpret: bool):
