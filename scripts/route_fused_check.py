@@ -5,9 +5,9 @@ The fused form's last logit program reads every program's logits after an atomic
 barrier, then an acquire-release add at GPU scope). The CPU tests run programs one by one, so
 only a card can show a read that ran ahead of another program's stores: it would route by a
 stale or unwritten logit. Each jitted call here chains ``--layers`` router launches on one
-ticket, as a decode step does (every layer different x, router and placement row), and
+counter buffer, as a decode step does (every layer different x, router and placement row), and
 compares each launch's routing with ``route_topk`` on its logits: experts, weights, margins and
-card slots bit for bit, and the ticket back at 0. Prints one JSON line (and writes it to --json).
+card slots bit for bit, and the counters back at 0. Prints one JSON line (and writes it to --json).
 
   python scripts/route_fused_check.py --calls 200 --json check.json     # on the GPU
   python scripts/route_fused_check.py --calls 2 --layers 2 --interpret  # CPU smoke run
@@ -26,26 +26,27 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bloomery_jax.pallas.route import new_ticket, route_topk, router_logits  # noqa: E402
+from bloomery_jax.pallas.route import route_topk, router_logits
+from bloomery_jax.pallas.tickets import new_tickets  # noqa: E402
 
 
-def _chain(x, parts, norm, w, table, ticket, *, k: int, interpret: bool):
-    """``layers`` router launches on one ticket; per layer the fused routing and route_topk's on
-    its logits, and the ticket at the end."""
+def _chain(x, parts, norm, w, table, tickets, *, k: int, interpret: bool):
+    """``layers`` router launches on one counter buffer; per layer the fused routing and route_topk's on
+    its logits, and the counters at the end."""
     fused, split = [], []
     for i in range(w.shape[0]):
         out = router_logits(x[i], norm[i], 1e-6, w[i], parts=None if parts is None else parts[i], rounded=True,
-                            route_k=k, slot_table=table, layer=i, ticket=ticket, interpret=interpret)
-        ticket = out.ticket
+                            route_k=k, slot_table=table, layer=i, tickets=tickets, interpret=interpret)
+        tickets = out.tickets
         fused.append(jax.tree.leaves(out.route))
         split.append(jax.tree.leaves(route_topk(out.logits, k, table, i, interpret=interpret)))
-    return fused, split, ticket
+    return fused, split, tickets
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--calls", type=int, default=200, help="jitted calls per shape")
-    ap.add_argument("--layers", type=int, default=48, help="router launches chained on one ticket per call")
+    ap.add_argument("--layers", type=int, default=48, help="router launches chained on one counter buffer per call")
     ap.add_argument("--rows", default="1,2,8", help="token rows a launch routes (comma list)")
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--dim", type=int, default=2048)
@@ -64,7 +65,7 @@ def main() -> None:
         run = jax.jit(lambda *a: _chain(*a, k=k, interpret=args.interpret))
         mismatched = {"experts": 0, "weights": 0, "margin": 0, "slots": 0, "card_weights": 0}
         tickets_nonzero = 0
-        ticket = new_ticket()
+        tickets = new_tickets()
         for c in range(args.calls):
             x = jnp.asarray(rng.standard_normal((L, n, D)) * 3, jnp.float32)
             parts = jnp.asarray(rng.standard_normal((L, s, n, D)), jnp.float32) if s else None
@@ -75,11 +76,11 @@ def main() -> None:
             if c % 4 == 3:
                 w = np.round(w * 64) / 64
             table = np.where(rng.random((L, E)) < 0.4, -1, rng.integers(0, E, (L, E)))
-            fused, split, ticket = run(x, parts, norm, jnp.asarray(w, jnp.float32), jnp.asarray(table, jnp.int32), ticket)
+            fused, split, tickets = run(x, parts, norm, jnp.asarray(w, jnp.float32), jnp.asarray(table, jnp.int32), tickets)
             for f, r in zip(fused, split):
                 for name, a, b in zip(mismatched, f, r):
                     mismatched[name] += int(np.sum(np.asarray(a) != np.asarray(b)))
-            tickets_nonzero += int(np.asarray(ticket)[0] != 0)
+            tickets_nonzero += int(np.asarray(tickets).any())
         shape = {"rows": n, "parts": s, "routings": args.calls * L * n, "mismatched": mismatched,
                  "tickets_nonzero": tickets_nonzero}
         result["shapes"].append(shape)

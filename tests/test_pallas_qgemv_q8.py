@@ -394,6 +394,48 @@ def test_swiglu_halves_from_split_partials():
     np.testing.assert_array_equal(jnp.sum(split, axis=0), joined)
 
 
+@pytest.mark.parametrize("tokens, k, split", [(1, 8, 2), (2, 3, 1), (3, 2, 3)])
+def test_combine_adds_the_weighted_pairs_to_x(tokens, k, split):
+    """moe_gemv_q8(..., combine=(weights, x, tickets)): the last program of each token's row tile
+    returns x + sum_j weights[:, j] * y[pair j]. Against float64 on the rounded activations:
+    each pair's y within the kernel's bound (module docstring), weighted, plus one rounding
+    for each of the k products, the k - 1 adds and the add of x, each at most 2^-24 of
+    |x| + sum_j w_j |y_j|. (Not against the plain launch's rows: the interpreter compiles each
+    kernel body whole, and the two bodies' float products may round differently.) Weights
+    taken in the wrong order fail that bound; the tickets come back at 0, and a second
+    launch on them combines again."""
+    from bloomery_jax.pallas.tickets import new_tickets
+
+    rng = np.random.default_rng(tokens * 10 + k)
+    e, n, kk = 4, 64, 512
+    raw = np.stack([weight(T.Q6_K, n, kk, rng) for _ in range(e)])
+    pw = repack(raw, T.Q6_K, (e, n, kk), "ggml")
+    cfg = GemvConfig(16, 1, 4, 3, split)  # 4 row tiles, split programs a tile
+    pairs = tokens * k
+    h = jnp.asarray(rng.standard_normal((pairs, kk)), jnp.float32)
+    experts = jnp.asarray(rng.integers(0, e, pairs), jnp.int32)
+    weights = jnp.asarray(rng.uniform(0, 1, (tokens, k)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((tokens, n)) * 4, jnp.float32)
+    ex = np.asarray(experts)
+    xv = np.asarray(quantize_q8_1(h).values(), np.float64)  # [P, K]: what the launch rounds h to
+    w64 = np.asarray(dequantize(raw, T.Q6_K, (e, n, kk)), np.float64)[ex]  # [P, N, K]
+    mag_w = np.asarray(scale_magnitudes(pw, stored_quants=True), np.float64)[ex]
+    y = np.einsum("pk,pnk->pn", xv, w64).reshape(tokens, k, n)
+    y_bound = (rounding_depth(T.Q6_K, kk, cfg) * U * np.einsum("pk,pnk->pn", np.abs(xv), mag_w)).reshape(tokens, k, n)
+    w = np.asarray(weights, np.float64)
+    x64 = np.asarray(x, np.float64)
+    bound = 1.01 * (np.einsum("tk,tkn->tn", w, y_bound) + (k + 1) * U * (np.abs(x64) + np.einsum("tk,tkn->tn", w, np.abs(y))))
+    tickets = new_tickets()
+    for _ in range(2):
+        got, tickets = moe_gemv_q8(h, pw, experts, config=cfg, combine=(weights, x, tickets), interpret=True)
+        assert got.shape == (tokens, n) and not np.asarray(tickets).any()
+        assert (np.abs(np.asarray(got, np.float64) - (x64 + np.einsum("tk,tkn->tn", w, y))) <= bound).all()
+    wrong = x64 + np.einsum("tk,tkn->tn", w[:, ::-1], y)
+    assert not (np.abs(np.asarray(got, np.float64) - wrong) <= bound).all()
+    with pytest.raises(ValueError, match="combine needs"):
+        moe_gemv_q8(h, pw, experts, config=cfg, combine=(weights, x[:, :8], tickets), interpret=True)
+
+
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
 def test_round_first_gives_the_same_output(qtype):
     """Float x rounded in every program (round_first=False), in a launch of its own first (True,
@@ -445,3 +487,11 @@ def test_float_x_lowers_to_triton_for_h200(monkeypatch):
     down = repack(np.stack([weight(T.Q6_K, 2048, 768, rng) for _ in range(2)]), T.Q6_K, (2, 2048, 768), "ggml")
     assert triton_kernels(monkeypatch, lambda h, w, e: moe_gemv_q8(h, w, e, swiglu_halves=True),
                           jax.ShapeDtypeStruct((8, 1536), jnp.float32), down, experts) == [("moe_gemv_q8_q6_k", 90, True)]
+    # down adding its weighted rows to x in each row tile's last program (on split-K partials, as the step)
+    from bloomery_jax.pallas.tickets import TICKETS
+
+    combined = (jax.ShapeDtypeStruct((1, 8), jnp.float32), jax.ShapeDtypeStruct((1, 2048), jnp.float32),
+                jax.ShapeDtypeStruct((TICKETS,), jnp.int32))
+    assert triton_kernels(monkeypatch, lambda h, w, e, c: moe_gemv_q8(h, w, e, swiglu_halves=True, combine=c),
+                          jax.ShapeDtypeStruct((2, 8, 1536), jnp.float32), down, experts, combined) == [
+        ("moe_gemv_q8_q6_k", 90, True)]

@@ -12,6 +12,7 @@ from bloomery_jax.ops.norms import rms_norm
 from bloomery_jax.ops.routing import route_topk as reference
 from bloomery_jax.pallas.route import (route_topk, router_logits, router_logits_adds, router_logits_rounds,
                                        router_logits_routes, router_logits_serves)
+from bloomery_jax.pallas.tickets import TICKETS
 
 
 @pytest.mark.parametrize("N, E, k", [(1, 128, 8), (5, 128, 8), (37, 60, 4), (16, 8, 1), (3, 8, 8), (2, 6, 5)])
@@ -121,7 +122,7 @@ def test_router_logits_rounds_the_normed_rows(N, E, D, block_e):
     assert router_logits_rounds(x.shape, w)
     out = router_logits(x, norm, 1e-6, w, block_e=block_e, rounded=True, interpret=True)
     got = out.x8
-    assert out.rows is None and out.route is None and out.ticket is None
+    assert out.rows is None and out.route is None and out.tickets is None
     np.testing.assert_array_equal(out.logits, router_logits(x, norm, 1e-6, w, block_e=block_e, interpret=True))
     h = rms_norm(x, norm, 1e-6)
     ref = quantize_q8_1(h)
@@ -163,10 +164,10 @@ def test_router_logits_adds_the_parts_to_x(N, S, E, D, rounded):
                                                       (8, 8, 8, 2, False)])
 def test_router_logits_routes_in_its_last_program(N, E, k, block_e, placed):
     """route_k: the routing route_topk gives on the launch's logits, bit for bit (the same
-    kernel code on the same logits), with the placement's card slots; the ticket comes back at
-    0, and a second launch on it routes again. (The ticket's memory order on a card is checked
+    kernel code on the same logits), with the placement's card slots; the tickets come back at
+    0, and a second launch on them routes again. (The tickets' memory order on a card is checked
     by scripts/route_fused_check.py, not here: the interpreter runs programs one by one.)"""
-    from bloomery_jax.pallas.route import new_ticket
+    from bloomery_jax.pallas.tickets import new_tickets
 
     rng = np.random.default_rng(N + E + k)
     D = 256
@@ -176,16 +177,16 @@ def test_router_logits_routes_in_its_last_program(N, E, k, block_e, placed):
     table = jnp.asarray(np.where(rng.random((3, E)) < 0.4, -1, rng.integers(0, E, (3, E))), jnp.int32) if placed else None
     kw = dict(slot_table=table, layer=2) if placed else {}
     assert router_logits_routes(N, w, k)
-    ticket = new_ticket()
+    tickets = new_tickets()
     for _ in range(2):
-        out = router_logits(x, norm, 1e-6, w, route_k=k, ticket=ticket, block_e=block_e, **kw, interpret=True)
-        np.testing.assert_array_equal(out.ticket, [0])
+        out = router_logits(x, norm, 1e-6, w, route_k=k, tickets=tickets, block_e=block_e, **kw, interpret=True)
+        assert not np.asarray(out.tickets).any()
         want = route_topk(out.logits, k, *((table, 2) if placed else ()), interpret=True)
         assert len(out.route) == len(want) == (4 if placed else 3)
         for got, exp in zip(jax.tree.leaves(out.route), jax.tree.leaves(want)):
             np.testing.assert_array_equal(got, exp)
         np.testing.assert_array_equal(out.logits, router_logits(x, norm, 1e-6, w, block_e=block_e, interpret=True))
-        ticket = out.ticket
+        tickets = out.tickets
 
 
 def test_router_logits_refuses_what_it_cannot_serve():
@@ -199,7 +200,7 @@ def test_router_logits_refuses_what_it_cannot_serve():
     assert router_logits_serves(1, w[:, :48]) and not router_logits_rounds((1, 48), w[:, :48])
     with pytest.raises(ValueError, match="rows of 48 are not Q8_1 blocks"):
         router_logits(jnp.ones((1, 48)), jnp.ones(48), 1e-6, w[:, :48], rounded=True, interpret=True)
-    # parts: at most PARTS_MAX_ROWS rows of them; route_k: E a power of two, and a ticket
+    # parts: at most PARTS_MAX_ROWS rows of them; route_k: E a power of two, and tickets
     assert router_logits_adds((1, 2048), 8, w) and not router_logits_adds((2, 2048), 8, w)
     with pytest.raises(ValueError, match="parts must be"):
         router_logits(jnp.ones((2, 2048)), jnp.ones(2048), 1e-6, w, parts=jnp.ones((8, 2, 2048)), interpret=True)
@@ -229,13 +230,13 @@ def test_router_logits_with_parts_and_routing_lower_to_triton_for_h200(monkeypat
     w = jax.ShapeDtypeStruct((128, 2048), jnp.float32)
     parts = jax.ShapeDtypeStruct((S, N, 2048), jnp.float32) if S else None
     table = jax.ShapeDtypeStruct((48, 128), jnp.int32) if placed else None
-    ticket = jax.ShapeDtypeStruct((1,), jnp.int32)
+    tickets = jax.ShapeDtypeStruct((TICKETS,), jnp.int32)
 
-    def launch(x, n, w, parts, table, ticket):
+    def launch(x, n, w, parts, table, tickets):
         kw = dict(slot_table=table, layer=47) if placed else {}
-        return router_logits(x, n, 1e-6, w, parts=parts, rounded=True, route_k=8, ticket=ticket, **kw)
+        return router_logits(x, n, 1e-6, w, parts=parts, rounded=True, route_k=8, tickets=tickets, **kw)
 
-    assert triton_kernels(monkeypatch, launch, x, norm, w, parts, table, ticket) == [("router_logits", 90, True)]
+    assert triton_kernels(monkeypatch, launch, x, norm, w, parts, table, tickets) == [("router_logits", 90, True)]
 
 
 def test_model_routing_pallas_matches_xla(synth_model):

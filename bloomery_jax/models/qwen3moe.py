@@ -24,10 +24,11 @@ from ..ops.rope import RopeConfig, apply_rope, rope_cos_sin
 from ..ops.routing import route_topk
 from ..pallas import attn_prep
 from ..pallas.qgemv import add_partials
-from ..pallas.route import RouterOut, new_ticket, router_logits_adds, router_logits_rounds, router_logits_routes
+from ..pallas.route import RouterOut, router_logits_adds, router_logits_rounds, router_logits_routes
 from ..pallas.route import route_topk as fused_route_topk
 from ..pallas.route import router_logits as router_logits_kernel
 from ..pallas.route import router_logits_serves
+from ..pallas.tickets import new_tickets
 from .kv_cache import KVCache
 from .spec import TensorSpec, attention_specs, embedding_specs
 
@@ -286,11 +287,11 @@ def _attention_block(params, cfg: Config, i: int, x, cos, sin, positions, cache:
     return x + qmatmul(o, params[b + "attn_output.weight"], ar, cfg.prefill_precision), cache
 
 
-def _router(cfg: Config, x, parts, norm, router_f32, gate, placement, i: int, ticket):
+def _router(cfg: Config, x, parts, norm, router_f32, gate, placement, i: int, tickets):
     """A decode step's router launch (``pallas.route.router_logits``): the norm, the router
     product, and as far as the shapes allow the pending residual add (returned as the new x), the
     rounding of the normed x for the integer-dot experts (x8) and, for routing "pallas", the
-    top-k (with the placement's card slots). Returns (x, x8, logits, route or None, ticket)."""
+    top-k (with the placement's card slots). Returns (x, x8, logits, route or None, tickets)."""
     B, T, D = x.shape
     N, k = B * T, cfg.n_experts_used
     if parts is not None and not router_logits_adds((N, D), parts.shape[0], router_f32):
@@ -299,16 +300,16 @@ def _router(cfg: Config, x, parts, norm, router_f32, gate, placement, i: int, ti
     route_k = k if cfg.routing == "pallas" and router_logits_routes(N, router_f32, k) else 0
     table = {} if placement is None or not route_k else dict(slot_table=placement.slot_of, layer=i)
     out = router_logits_kernel(x.reshape(N, D), *norm, router_f32, parts=parts, rounded=rounded, route_k=route_k,
-                               ticket=ticket if route_k else None, **table, interpret=interpret_kernels())
+                               tickets=tickets if route_k else None, **table, interpret=interpret_kernels())
     if not isinstance(out, RouterOut):
-        return x, None, out, None, ticket
+        return x, None, out, None, tickets
     x = x if out.rows is None else out.rows.reshape(B, T, D)
-    return x, out.x8, out.logits, out.route, out.ticket if route_k else ticket
+    return x, out.x8, out.logits, out.route, out.tickets if route_k else tickets
 
 
-def _moe_block(params, cfg: Config, i: int, x, placement, ticket=None):
-    """The MoE block on x (or a :class:`Pending` add, made here); ``ticket``: the router
-    launch's counter (``pallas.route.new_ticket``). Returns (x, route, ticket)."""
+def _moe_block(params, cfg: Config, i: int, x, placement, tickets=None):
+    """The MoE block on x (or a :class:`Pending` add, made here); ``tickets``: the step's
+    counter buffer (``pallas.tickets``). Returns (x, route, tickets)."""
     b = f"blk.{i}."
     x, parts = (x.x, x.parts) if isinstance(x, Pending) else (x, None)
     B, T, D = x.shape
@@ -320,7 +321,7 @@ def _moe_block(params, cfg: Config, i: int, x, placement, ticket=None):
     gate = params[b + "ffn_gate_exps.weight"]
     route, card, x8 = None, None, None
     if cfg.routing != "xla" and router_f32 is not None and router_logits_serves(B * T, router_f32):
-        x, x8, router_logits, route, ticket = _router(cfg, x, parts, norm, router_f32, gate, placement, i, ticket)
+        x, x8, router_logits, route, tickets = _router(cfg, x, parts, norm, router_f32, gate, placement, i, tickets)
     else:
         x = x if parts is None else Pending(x, parts).total()
         h = rms_norm(x, *norm).reshape(B * T, D)  # [N, D]
@@ -335,12 +336,18 @@ def _moe_block(params, cfg: Config, i: int, x, placement, ticket=None):
     else:
         experts, weights, margin = route_topk(router_logits, cfg.n_experts_used)  # [N, k], [N, k], [N]
     card = card[0] if card else None
-    # the experts take x and the norm: the decode GEMV forms it in-kernel, so h feeds only the router
+    # the experts take x and the norm: the decode GEMV forms it in-kernel, so h feeds only the router;
+    # with tickets they return x plus their output (the decode down launch adds it: no launch of its own)
     y = placed_moe_swiglu(x.reshape(B * T, D), experts, weights, gate, params[b + "ffn_up_exps.weight"],
                           params[b + "ffn_down_exps.weight"], cfg.act_rounding, placement, i, cfg.prefill_precision,
-                          norm, card, x8)  # [N, D]
+                          norm, card, x8, tickets)  # [N, D]
+    if tickets is None:
+        x = x + y.reshape(B, T, D)
+    else:
+        y, tickets = y
+        x = y.reshape(B, T, D)
     k = cfg.n_experts_used
-    return x + y.reshape(B, T, D), (experts.reshape(B, T, k), weights.reshape(B, T, k), margin.reshape(B, T)), ticket
+    return x, (experts.reshape(B, T, k), weights.reshape(B, T, k), margin.reshape(B, T)), tickets
 
 
 def forward(params, cfg: Config, tokens, positions, cache: KVCache, placement=None, logits_at=None):
@@ -368,10 +375,10 @@ def forward(params, cfg: Config, tokens, positions, cache: KVCache, placement=No
     mask = cache.mask(positions)  # [B, T, S]
     x = take_rows(params["token_embd.weight"], tokens)  # [B, T, D]
     routes = []
-    ticket = new_ticket() if cfg.routing == "pallas" else None  # the router launches' counter, one for all layers
+    tickets = new_tickets() if cfg.routing == "pallas" else None  # counters of the launches' last programs, one buffer for all layers
     for i in range(cfg.n_layers):  # a Python loop: tensor types may differ between layers
         x, cache = _attention_block(params, cfg, i, x, cos, sin, positions, cache, mask)
-        x, route, ticket = _moe_block(params, cfg, i, x, placement, ticket)
+        x, route, tickets = _moe_block(params, cfg, i, x, placement, tickets)
         routes.append(route)
     if logits_at is not None:  # only the rows asked for go through the norm and the V-wide output matmul
         x = jnp.take_along_axis(x, jnp.asarray(logits_at, jnp.int32)[:, :, None], axis=1)  # [B, R, D]

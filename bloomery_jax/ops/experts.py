@@ -83,7 +83,7 @@ def _takes_gemv(gate, n_tokens: int, k: int) -> bool:
 
 def moe_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate, up, down,
                act_rounding: str = "none", precision: str = "tf32x3", norm: tuple | None = None,
-               x8=None) -> jax.Array:
+               x8=None, tickets=None):
     """Weighted sum of the chosen SwiGLU experts of every token.
 
     Args:
@@ -99,12 +99,17 @@ def moe_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate, up, d
       x8: None, or the normed x as Q8_1 blocks (``ops.actquant.Q8Act`` of ``[N, D]``), which
         the integer-dot gate/up launch then reads in place of x and the norm
         (:func:`takes_rounded_x`); other paths ignore it.
+      tickets: None, or a counter buffer (``pallas.tickets.new_tickets``): return x plus the
+        output, and the tickets (the integer-dot down launch adds x and the weighted rows
+        itself, in each row tile's last program; other paths add in XLA).
     Returns:
-      float32 ``[N, D]``.
+      float32 ``[N, D]``; with ``tickets``, ``(x + that, tickets)``.
     """
     N, k = experts.shape
     if _takes_gemv(gate, N, k):
-        return _moe_swiglu_gemv(x, experts, weights, gate, up, down, act_rounding, norm, x8)
+        return _moe_swiglu_gemv(x, experts, weights, gate, up, down, act_rounding, norm, x8, tickets)
+    if tickets is not None:
+        return x + moe_swiglu(x, experts, weights, gate, up, down, act_rounding, precision, norm), tickets
     if norm is not None:
         x = rms_norm(x, *norm)
     if isinstance(gate, PackedWeight):
@@ -136,12 +141,12 @@ def _weighted_sum(y: jax.Array, weights: jax.Array) -> jax.Array:
     return out
 
 
-def _moe_swiglu_gemv(x, experts, weights, gate, up, down, act_rounding, norm, x8):
+def _moe_swiglu_gemv(x, experts, weights, gate, up, down, act_rounding, norm, x8, tickets):
     """:func:`moe_swiglu` for few pairs with the Pallas MoE GEMV (packed weights)."""
     N, k = experts.shape
     interpret = interpret_kernels()
     flat = experts.reshape(N * k)  # [P] pairs, token-major
-    x = x.astype(jnp.float32)
+    x = residual = x.astype(jnp.float32)
     # The gate/up kernels read each token's row for its k pairs (pairs_per_row): no [P, D] copy.
     q8 = takes_q8(gate, act_rounding)  # integer dot products on Q8_1 rows, rounded in the launches
     if act_rounding == "none" or q8:  # gate and up read the same x: one launch, the norm formed in it
@@ -152,8 +157,11 @@ def _moe_swiglu_gemv(x, experts, weights, gate, up, down, act_rounding, norm, x8
         if q8:  # gate/up's split-K partials [S, P, 2F], added where down reads them: no launch of their own
             kw["partials"] = True
         gu = many(x, (gate, up), flat, pairs_per_row=k, joined=True, **kw, interpret=interpret)  # [(S,) P, 2F]
+        if q8 and tickets is not None:  # down adds the weighted rows to x itself: no launch of their own
+            return one(gu, down, flat, swiglu_halves=True, combine=(weights, residual, tickets), interpret=interpret)
         y = one(gu, down, flat, swiglu_halves=True, interpret=interpret)  # swiglu formed where down reads it
-        return _weighted_sum(y.reshape(N, k, -1), weights)  # [N, k, D] -> [N, D]
+        out = _weighted_sum(y.reshape(N, k, -1), weights)  # [N, k, D] -> [N, D]
+        return out if tickets is None else (residual + out, tickets)
     if norm is not None:
         x = rms_norm(x, *norm)
     xg = round_activations(x, weight_qtype(gate), act_rounding)  # [N, D]
@@ -161,7 +169,8 @@ def _moe_swiglu_gemv(x, experts, weights, gate, up, down, act_rounding, norm, x8
     h = swiglu(moe_gemv(xg, gate, flat, pairs_per_row=k, interpret=interpret),
                moe_gemv(xu, up, flat, pairs_per_row=k, interpret=interpret))
     h = round_activations(h, weight_qtype(down), act_rounding)
-    return _weighted_sum(moe_gemv(h, down, flat, interpret=interpret).reshape(N, k, -1), weights)  # [N, k, D] -> [N, D]
+    out = _weighted_sum(moe_gemv(h, down, flat, interpret=interpret).reshape(N, k, -1), weights)  # [N, k, D] -> [N, D]
+    return out if tickets is None else (residual + out, tickets)
 
 
 def _moe_swiglu_gemm(x, experts, weights, gate, up, down, act_rounding, config):
@@ -185,7 +194,7 @@ def _moe_swiglu_gemm(x, experts, weights, gate, up, down, act_rounding, config):
 
 def placed_moe_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate, up, down,
                       act_rounding: str, placement, layer: int, precision: str = "tf32x3",
-                      norm: tuple | None = None, card=None, x8=None) -> jax.Array:
+                      norm: tuple | None = None, card=None, x8=None, tickets=None):
     """:func:`moe_swiglu` with each expert computed where ``placement`` puts it.
 
     Card experts run on their slots of the layer's card buffers (``gate``/``up``/``down`` hold
@@ -212,11 +221,13 @@ def placed_moe_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate
       card: the routing's card slots and weights where the router already looked them up in
         ``placement`` (``pallas.route.CardRoute``); None: looked up here.
       x8: as for :func:`moe_swiglu`: the card's experts may read it.
+      tickets: as for :func:`moe_swiglu` (x plus the output; the host's share is added after
+        the card's).
     Returns:
-      float32 ``[N, D]``.
+      float32 ``[N, D]``; with ``tickets``, ``(x + that, tickets)``.
     """
     if placement is None:
-        return moe_swiglu(x, experts, weights, gate, up, down, act_rounding, precision, norm, x8)
+        return moe_swiglu(x, experts, weights, gate, up, down, act_rounding, precision, norm, x8, tickets)
     host = placement.host if placement.host is not None and placement.host.has_layer(layer) else None
     card_x, card_norm = x, norm  # the card's kernels may form the norm themselves
     if norm is not None:
@@ -225,24 +236,32 @@ def placed_moe_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate
         full = [host.stream(layer, role) for role in ("gate", "up", "down")]  # QTensor [E, ...] each
         if isinstance(gate, PackedWeight):  # the kernels read the card buffers' layout: repack on the card
             full = [repack_on_device(q.data, q.qtype, q.shape, layout=gate.layout) for q in full]
-        return moe_swiglu(x, experts, weights, *full, act_rounding, precision)
+        out = moe_swiglu(x, experts, weights, *full, act_rounding, precision)
+        return out if tickets is None else (card_x + out, tickets)
     slot_of = placement.slot_of[layer]  # [E]
     if card is None:
         slots = slot_of[experts]  # [N, k]
         card_slots, card_weights = jnp.where(slots >= 0, slots, 0), jnp.where(slots >= 0, weights, 0.0)
     else:
         card_slots, card_weights = card
-    out = jnp.zeros(x.shape, jnp.float32)
+    out = jnp.zeros(x.shape, jnp.float32) if tickets is None else card_x  # what the host's share adds to
     on_host = slot_of < 0  # [E]
+    card_moe = functools.partial(moe_swiglu, experts=card_slots, weights=card_weights, gate=gate, up=up, down=down,
+                                 act_rounding=act_rounding, precision=precision, norm=card_norm, tickets=tickets)
     if host is not None and host.overlap and gate.shape[0]:
         started = host.moe_start(layer, x, experts, weights, on_host)
         # The barrier makes the card's input wait for the start, and the finish takes the card's
         # output, so the card's experts are queued between the halves and run while the host works.
         started, card_x, x8 = jax.lax.optimization_barrier((started, card_x, x8))
-        out = moe_swiglu(card_x, card_slots, card_weights, gate, up, down, act_rounding, precision, card_norm, x8)
-        return out + host.moe_finish(layer, started, out)
+        out = card_moe(card_x, x8=x8)
+        if tickets is not None:
+            out, tickets = out
+        out = out + host.moe_finish(layer, started, out)
+        return out if tickets is None else (out, tickets)
     if gate.shape[0]:  # the layer has card slots
-        out = moe_swiglu(card_x, card_slots, card_weights, gate, up, down, act_rounding, precision, card_norm, x8)
+        out = card_moe(card_x, x8=x8)
+        if tickets is not None:
+            out, tickets = out
     if host is not None:
         if host.skip_empty_calls:
             # a step whose pairs are all on the card skips the round trip (~200 us on the H200);
@@ -251,4 +270,4 @@ def placed_moe_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate
                                      lambda: jnp.zeros(x.shape, jnp.float32))
         else:
             out = out + host.moe(layer, x, experts, weights, on_host)
-    return out
+    return out if tickets is None else (out, tickets)

@@ -53,6 +53,7 @@ from .moe_gemv import _ExpertView, _operands, _SwigluRows, expert_index
 from .qgemv import (_k4_scales, _largest_divisor, _NormedRows, _q6_scale, _weight_operands, add_partials, many_operands,
                     row_index, run_parts)
 from .qgemv_tuned import GemvConfig, pick_config
+from .tickets import TICKETS, read_shared, when_last
 
 F32 = jnp.float32
 LOW = 0x0F0F0F0F  # the low nibble of each byte
@@ -426,13 +427,21 @@ def _x_operands(x, name: str, k: int, n_rows: int, first_row, norm=None, eps: fl
 
 
 def _call(kernel, xo: _XOperands, *, y, y_spec, grid, w_specs, compiler_params, interpret: bool, name: str,
-          lead_specs=()):
-    """A q8 launch: inputs ``lead`` (the experts), x's, the weights'; outputs y, then x's scratch,
-    dropped. Returns ``f(lead, weights) -> y``."""
-    call = pl.pallas_call(kernel, out_shape=[y, *xo.scratch], grid=grid,
-                          in_specs=[*lead_specs, *xo.specs, *w_specs], out_specs=[y_spec, *xo.scratch_specs],
+          lead_specs=(), tail=(), tail_specs=(), aliases=None):
+    """A q8 launch: inputs ``lead`` (the experts, ...), x's, the weights'; outputs y, x's scratch
+    (dropped), then ``tail``; ``aliases`` as pallas_call's, lead inputs to tail outputs (counted
+    in the tail). Returns ``f(lead, weights) -> y`` (with a tail: ``[y, *tail]``)."""
+    first_tail = 1 + len(xo.scratch)
+    call = pl.pallas_call(kernel, out_shape=[y, *xo.scratch, *tail], grid=grid,
+                          in_specs=[*lead_specs, *xo.specs, *w_specs], out_specs=[y_spec, *xo.scratch_specs, *tail_specs],
+                          input_output_aliases={i: first_tail + o for i, o in (aliases or {}).items()},
                           compiler_params=compiler_params, interpret=interpret, name=name)
-    return lambda lead, weights: call(*lead, *xo.arrays, *weights)[0]
+
+    def run(lead, weights):
+        out = call(*lead, *xo.arrays, *weights)
+        return [out[0], *out[first_tail:]] if tail else out[0]
+
+    return run
 
 
 def _check_norm(name: str, norm, k: int) -> None:
@@ -497,20 +506,45 @@ def qgemv_q8(x, w: PackedWeight, *, config: GemvConfig | None = None, round_firs
     return y if partials else add_partials(y)
 
 
-def _moe_kernel(e_ref, *refs, source: _XSource, qtype, n_experts: int, per_program: int, interpret: bool):
-    xs, w_refs, o_ref = source.rows(refs, interpret)  # o_ref [1, 1, BN]
+def _moe_kernel(e_ref, *refs, source: _XSource, qtype, n_experts: int, bn: int, per_program: int, interpret: bool,
+                combine: int = 0):
+    # combine (the pairs of a token): refs start with the pair weights [P], the residual x [N, N_out]
+    # and the tickets' input, and end with the sum's output [N, N_out] and the tickets; y is whole
+    if combine:
+        (pw_ref, res_ref, _), refs, (out_ref, tk_ref) = refs[:3], refs[3:-2], refs[-2:]
+    xs, w_refs, o_ref = source.rows(refs, interpret)  # o_ref [1, 1, BN] (combine: [S, P, N_out])
     e = expert_index(e_ref, n_experts)
+    s, p, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    cols = pl.ds(pl.multiple_of(i * bn, bn), bn)
 
     def store(r, y):
-        o_ref[0, 0, :] = y
+        if combine:
+            o_ref[pl.ds(s, 1), pl.ds(p, 1), cols] = y[None, None, :]
+        else:
+            o_ref[0, 0, :] = y
 
-    _body(xs, [_ExpertView(r, e) for r in w_refs], store, qtype=qtype, bn=o_ref.shape[2], per_program=per_program,
+    _body(xs, [_ExpertView(r, e) for r in w_refs], store, qtype=qtype, bn=bn, per_program=per_program,
           interpret=interpret)
+    if not combine:
+        return
+    tok = p // combine
+
+    @when_last(tk_ref, tok * pl.num_programs(2) + i, pl.num_programs(0) * combine, interpret)
+    def _():  # the token's row tile: its pairs' split-K partials, weighted and added in routing order, then x
+        acc = None
+        for j in range(combine):
+            pair = pl.ds(tok * combine + j, 1)
+            y = read_shared(o_ref.at[pl.ds(0, 1), pair, cols])  # [1, 1, BN]
+            for t in range(1, o_ref.shape[0]):
+                y = y + read_shared(o_ref.at[pl.ds(t, 1), pair, cols])
+            term = y[0] * pw_ref[pair][:, None]  # [1, BN]
+            acc = term if acc is None else acc + term
+        out_ref[pl.ds(tok, 1), cols] = res_ref[pl.ds(tok, 1), cols] + acc
 
 
 @functools.partial(jax.jit, static_argnames=("swiglu_halves", "config", "interpret"))
 def moe_gemv_q8(x, w: PackedWeight, experts: jax.Array, *, swiglu_halves: bool = False,
-                config: GemvConfig | None = None, interpret: bool = False) -> jax.Array:
+                config: GemvConfig | None = None, combine: tuple | None = None, interpret: bool = False):
     """``x[p] @ W[experts[p]]^T`` for every (token, expert) pair p, float32.
 
     Args:
@@ -524,8 +558,12 @@ def moe_gemv_q8(x, w: PackedWeight, experts: jax.Array, *, swiglu_halves: bool =
         exponential is the kernel's: the last bits, and so a rare quant, may differ from
         ``ops.experts.swiglu``'s).
       config, interpret: as for :func:`qgemv_q8` (the pick is for one expert's ``[N, K]``).
+      combine: ``(weights [T, k], x [T, N], tickets)`` (P = T * k pairs, token-major; tickets:
+        ``tickets.new_tickets``): also return ``x + sum_j weights[:, j] * y[token's pair j]``,
+        the weights' products added in routing order as ``ops.experts``' weighted sum does, made
+        by the last program of each token's row tile (``tickets``), and the tickets back at 0.
     Returns:
-      float32 ``[P, N]``.
+      float32 ``[P, N]``; with ``combine``, ``(float32 [T, N], tickets)``.
     """
     qtype = _check(w, 3, "moe_gemv_q8")
     n_exp, n, k = w.shape
@@ -537,14 +575,28 @@ def moe_gemv_q8(x, w: PackedWeight, experts: jax.Array, *, swiglu_halves: bool =
     bn, per_program, split = _launch(qtype, n, k, cfg)
     arrays, specs = _operands(w, bn)  # moe_gemv's: every expert, the row tile on the last grid axis
     xo = _x_operands(x, "moe_gemv_q8", k, 1, _PAIR_ROW, swiglu=swiglu_halves)
-    return add_partials(_call(
-        functools.partial(_moe_kernel, source=xo.source, qtype=qtype, n_experts=n_exp, per_program=per_program,
-                          interpret=interpret),
-        xo, y=jax.ShapeDtypeStruct((split, n_pairs, n), F32), y_spec=pl.BlockSpec((1, 1, bn), lambda s, p, i: (s, p, i)),
-        grid=(split, n_pairs, n // bn), lead_specs=[pl.BlockSpec((1,), lambda s, p, i: (p,))], w_specs=specs,
-        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-        interpret=interpret, name=f"moe_gemv_q8_{qtype.name.lower()}",
-    )((experts.astype(jnp.int32),), arrays))
+    grid = (split, n_pairs, n // bn)
+    kw = dict(y=jax.ShapeDtypeStruct((split, n_pairs, n), F32), y_spec=pl.BlockSpec((1, 1, bn), lambda s, p, i: (s, p, i)),
+              grid=grid, w_specs=specs, interpret=interpret, name=f"moe_gemv_q8_{qtype.name.lower()}",
+              compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    lead, lead_specs = [experts.astype(jnp.int32)], [pl.BlockSpec((1,), lambda s, p, i: (p,))]
+    per_token = 0
+    if combine is not None:
+        weights, res, tickets = combine
+        n_tok, per_token = weights.shape
+        if n_tok * per_token != n_pairs or res.shape != (n_tok, n) or tickets.shape != (TICKETS,) or n_tok * grid[2] > TICKETS:
+            raise ValueError(f"moe_gemv_q8: combine needs weights [T, k] with T * k = {n_pairs} pairs, x [T, {n}] and "
+                             f"T * {grid[2]} row tiles <= {TICKETS} tickets, got {weights.shape}, {res.shape} and {tickets.shape}")
+        whole = lambda *shape: pl.BlockSpec(shape, lambda *g: (0,) * len(shape))  # noqa: E731
+        lead += [weights.astype(F32).reshape(n_pairs), res.astype(F32), tickets]
+        lead_specs += [whole(n_pairs), whole(n_tok, n), whole(TICKETS)]
+        kw.update(y_spec=whole(split, n_pairs, n), tail=[jax.ShapeDtypeStruct((n_tok, n), F32), jax.ShapeDtypeStruct((TICKETS,), jnp.int32)],
+                  tail_specs=[whole(n_tok, n), whole(TICKETS)], aliases={3: 1})
+    out = _call(functools.partial(_moe_kernel, source=xo.source, qtype=qtype, n_experts=n_exp, bn=bn,
+                                  per_program=per_program, interpret=interpret, combine=per_token), xo, lead_specs=lead_specs, **kw)(lead, arrays)
+    if combine is None:
+        return add_partials(out)
+    return out[1], out[2]
 
 
 def _part_body(xs, store, *, bn: int, interpret: bool):

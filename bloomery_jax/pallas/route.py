@@ -45,6 +45,7 @@ from ..ops.actquant import Q8Act
 from ..ops.routing import WEIGHT_SUM_MIN
 from .qgemv import _NormedRows, row_index
 from .qgemv_q8 import _SummedRows, round_blocks
+from .tickets import TICKETS, read_shared, when_last
 
 F32 = jnp.float32
 LOGITS_MAX_ROWS = 8  # rows of x router_logits unrolls (a decode step's tokens)
@@ -54,7 +55,7 @@ LOGITS_BLOCK_E, LOGITS_WARPS = 4, 4
 LOGITS_CHUNK = 256  # router_logits walks D in chunks of at most this many columns
 ROUND_BLOCKS = 64  # Q8_1 blocks a rounding program of router_logits(..., rounded=True) rounds at most
 PARTS_MAX_ROWS = 8  # rows of partial sums router_logits(..., parts=) adds to x (each program reads them all)
-__all__ = ["CardRoute", "RouterOut", "new_ticket", "route_topk", "router_logits", "router_logits_adds",
+__all__ = ["CardRoute", "RouterOut", "route_topk", "router_logits", "router_logits_adds",
            "router_logits_rounds", "router_logits_routes", "router_logits_serves"]
 
 
@@ -215,12 +216,6 @@ def router_logits_routes(n_rows: int, w, k: int) -> bool:
     return router_logits_serves(n_rows, w) and w.shape[0] == _pow2(w.shape[0]) and 0 < k <= w.shape[0]
 
 
-def new_ticket() -> jax.Array:
-    """A counter for ``router_logits(..., route_k=)``: int32 ``[1]`` zeros. Each launch returns
-    it at 0 again, so one serves every layer of a step in turn."""
-    return jnp.zeros((1,), jnp.int32)
-
-
 class RouterOut(NamedTuple):
     """``router_logits``' results beyond the logits; a field not asked for is None."""
 
@@ -228,7 +223,7 @@ class RouterOut(NamedTuple):
     x8: Q8Act | None  # rounded: the normed rows as Q8_1 blocks
     rows: jax.Array | None  # parts: x + sum_s parts[s], float32 [N, D] (the residual stream)
     route: tuple | None  # route_k: route_topk's (experts, weights, margin[, CardRoute])
-    ticket: jax.Array | None  # route_k: the counter, back at 0
+    tickets: jax.Array | None  # route_k: the counter buffer, back at 0
 
 
 class _ResidualRows:
@@ -262,11 +257,11 @@ class _Launch:
         take = lambda on: refs.pop(0) if on else None  # noqa: E731
         r = dict(x=take(True), norm=take(True), w=take(True), parts=take(self.parts), xb=take(self.bpp),
                  nb=take(self.bpp), pb=take(self.bpp and self.parts), table=take(self.placed))
-        take(self.k)  # the ticket's input: the same buffer as its output
+        take(self.k)  # the tickets' input: the same buffer as their output
         r.update(logits=take(True), qs=take(self.rounded), d=take(self.rounded), sums=take(self.rounded),
                  rows=take(self.parts))
         r["picks"] = [take(self.k) for _ in range(5 if self.placed else 3)] if self.k else None
-        r["ticket"] = take(self.k)
+        r["tickets"] = take(self.k)
         return r
 
 
@@ -274,7 +269,7 @@ def _logits_kernel(*refs, lay: _Launch, eps: float, chunk: int, interpret: bool)
     # x [N, D] rows of x; norm [D]; w [BE, D] router rows; parts [S, N, D]; xb [N, D/32, 32], nb
     # [D/32, 32], pb [S, N, D/32, 32]: x, the norm and the parts as blocks; table [1, E] the
     # layer's card slots. Out: logits [N, BE] ([N, E] with route_k); the Q8Act's qs [N, D/32, 8],
-    # d [N, D/32] and sums [N, D/32, 2]; rows [N, D/32, 32]; the _Picks' refs; the ticket [1]
+    # d [N, D/32] and sums [N, D/32, 2]; rows [N, D/32, 32]; the _Picks' refs; the tickets [TICKETS]
     r = lay.unpack(refs)
     n_rows, d = r["x"].shape
     x = r["x"] if r["parts"] is None else _ResidualRows(r["x"], r["parts"])
@@ -324,29 +319,22 @@ def _logits(xn, w_ref, o_ref, cols, n_rows: int, d: int, chunk: int) -> None:
 
 
 def _route_when_last(r, lay: _Launch, n_rows: int, interpret: bool) -> None:
-    """The logit program that finishes last routes every row. Each takes a ticket after its
-    logits are stored: a barrier first (every thread's stores made before the ticket, whose
-    atomic add releases them at GPU scope); the holder of the last ticket acquires with it,
-    reads all logits past the L1 (volatile) and sets the counter back to 0."""
-    if not interpret:  # the interpreter runs programs one by one (and has no barrier rule)
-        plgpu.debug_barrier()
-    ticket = plgpu.atomic_add(r["ticket"], (jnp.int32(0),), jnp.int32(1))
+    """The logit program that finishes last (``tickets``: counter 0) routes every row."""
 
-    @pl.when(ticket == lay.logit_programs - 1)
+    @when_last(r["tickets"], 0, lay.logit_programs, interpret)
     def _():
         table = None if r["table"] is None else r["table"][...]  # [1, E]
         for b in range(n_rows):
-            logits = plgpu.load(r["logits"].at[pl.ds(b, 1), :], volatile=True)  # [1, E]
+            logits = read_shared(r["logits"].at[pl.ds(b, 1), :])  # [1, E]
             picks = _choose(logits, lay.k, lay.n_exp, r["picks"][0].shape[1], table)
             _store_picks(picks, [ref.at[pl.ds(b, 1)] for ref in r["picks"]])
-        r["ticket"][...] = jnp.zeros((1,), jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "route_k", "layer", "block_e", "num_warps", "chunk", "rounded",
                                              "interpret"))
 def router_logits(x: jax.Array, norm: jax.Array, eps: float, w: jax.Array, *, parts: jax.Array | None = None,
                   rounded: bool = False, route_k: int = 0, slot_table: jax.Array | None = None, layer: int = 0,
-                  ticket: jax.Array | None = None, block_e: int = LOGITS_BLOCK_E, num_warps: int = LOGITS_WARPS,
+                  tickets: jax.Array | None = None, block_e: int = LOGITS_BLOCK_E, num_warps: int = LOGITS_WARPS,
                   chunk: int = LOGITS_CHUNK, interpret: bool = False):
     """``ops.norms.rms_norm(x, norm, eps) @ w.T`` in one launch (module docstring).
 
@@ -367,7 +355,7 @@ def router_logits(x: jax.Array, norm: jax.Array, eps: float, w: jax.Array, *, pa
       route_k: > 0: also route each row to its ``route_k`` experts as ``route_topk`` does
         (``router_logits_routes``), in the program that finishes its logits last.
       slot_table, layer: with route_k, as for ``route_topk`` (a CardRoute too).
-      ticket: with route_k, int32 ``[1]`` zeros (``new_ticket``), returned at 0 again.
+      tickets: with route_k, a counter buffer (``tickets.new_tickets``), returned at 0 again.
       block_e: experts a program (a power of two dividing E; lowered until it does).
       num_warps: warps a program.
       chunk: columns a loop step reads at most (D itself: the program's rows in one read).
@@ -389,9 +377,9 @@ def router_logits(x: jax.Array, norm: jax.Array, eps: float, w: jax.Array, *, pa
         raise ValueError(f"router_logits: parts must be [S, {n_rows}, {d}] with S * {n_rows} <= {PARTS_MAX_ROWS} "
                          f"(router_logits_adds), got {parts.shape}")
     placed = slot_table is not None
-    if route_k and not (router_logits_routes(n_rows, w, route_k) and ticket is not None and ticket.shape == (1,)):
+    if route_k and not (router_logits_routes(n_rows, w, route_k) and tickets is not None and tickets.shape == (TICKETS,)):
         raise ValueError(f"router_logits: routing to {route_k} of {n_exp} experts needs E a power of two, "
-                         f"0 < k <= E and a ticket (new_ticket), got ticket {None if ticket is None else ticket.shape}")
+                         f"0 < k <= E and tickets (new_tickets), got {None if tickets is None else tickets.shape}")
     if placed and not (route_k and slot_table.ndim == 2 and slot_table.shape[1] == n_exp
                        and 0 <= layer < slot_table.shape[0]):
         raise ValueError(f"router_logits: slot_table must be [L, {n_exp}] with layer in [0, L), and route_k > 0, "
@@ -419,9 +407,9 @@ def router_logits(x: jax.Array, norm: jax.Array, eps: float, w: jax.Array, *, pa
         in_specs.append(pl.BlockSpec((1, n_exp), lambda j: (layer, 0)))
     aliases = {}
     if route_k:
-        aliases[len(operands)] = None  # set below, when the ticket's output index is known
-        operands.append(ticket)
-        in_specs.append(whole(1))
+        aliases[len(operands)] = None  # set below, when the tickets' output index is known
+        operands.append(tickets)
+        in_specs.append(whole(TICKETS))
     out_shape = [jax.ShapeDtypeStruct((n_rows, n_exp), F32)]
     out_specs = [whole(n_rows, n_exp) if route_k else pl.BlockSpec((n_rows, block_e), lambda j: (0, jnp.minimum(j, last)))]
     if rounded:  # each extra program writes its blocks of the whole Q8Act
@@ -435,8 +423,8 @@ def router_logits(x: jax.Array, norm: jax.Array, eps: float, w: jax.Array, *, pa
         kp = _pow2(route_k)
         picks = [(jnp.int32, (n_rows, kp)), (F32, (n_rows, kp)), (F32, (n_rows,))]
         picks += [(jnp.int32, (n_rows, kp)), (F32, (n_rows, kp))] if placed else []
-        out_shape += [jax.ShapeDtypeStruct(shape, dt) for dt, shape in picks] + [jax.ShapeDtypeStruct((1,), jnp.int32)]
-        out_specs += [whole(*shape) for _, shape in picks] + [whole(1)]
+        out_shape += [jax.ShapeDtypeStruct(shape, dt) for dt, shape in picks] + [jax.ShapeDtypeStruct((TICKETS,), jnp.int32)]
+        out_specs += [whole(*shape) for _, shape in picks] + [whole(TICKETS)]
         aliases = {i: len(out_shape) - 1 for i in aliases}
     out = pl.pallas_call(
         functools.partial(_logits_kernel, lay=lay, eps=float(eps), chunk=_logits_chunk(d, chunk), interpret=interpret),
