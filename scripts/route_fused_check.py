@@ -1,5 +1,7 @@
-"""Check on a card that the router launch's own top-k (``router_logits(..., route_k=)``) routes
-exactly as ``route_topk`` does on the logits that launch wrote.
+"""Check on a card the launches whose last program finishes by ticket (``pallas.tickets``): that
+the router launch's own top-k (``router_logits(..., route_k=)``) routes exactly as
+``route_topk`` does on the logits that launch wrote, and that the down launch's sum
+(``moe_gemv_q8(..., combine=)``) is x plus the weighted rows of the plain launch.
 
 The fused form's last logit program reads every program's logits after an atomic ticket (a
 barrier, then an acquire-release add at GPU scope). The CPU tests run programs one by one, so
@@ -7,7 +9,12 @@ only a card can show a read that ran ahead of another program's stores: it would
 stale or unwritten logit. Each jitted call here chains ``--layers`` router launches on one
 counter buffer, as a decode step does (every layer different x, router and placement row), and
 compares each launch's routing with ``route_topk`` on its logits: experts, weights, margins and
-card slots bit for bit, and the counters back at 0. Prints one JSON line (and writes it to --json).
+card slots bit for bit, and the counters back at 0. The down check chains ``--layers`` down
+launches likewise (random Q6_K experts of the Qwen3-30B-A3B shape, [16, 2048, 768]) and counts
+outputs off ``x + ops.experts._weighted_sum(plain launch)`` by more than 1e-4 of their magnitude
+(|x| + sum_j w_j |y_j|): rounding differs by a few 2^-24 of it; a stale or missing row, read
+before its program stored it, is off by a whole weighted row. Prints one JSON line (and writes
+it to --json).
 
   python scripts/route_fused_check.py --calls 200 --json check.json     # on the GPU
   python scripts/route_fused_check.py --calls 2 --layers 2 --interpret  # CPU smoke run
@@ -26,8 +33,12 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bloomery_jax.pallas.route import route_topk, router_logits
+from bloomery_jax.ops.experts import _weighted_sum  # noqa: E402
+from bloomery_jax.pallas.qgemv_q8 import moe_gemv_q8  # noqa: E402
+from bloomery_jax.pallas.route import route_topk, router_logits  # noqa: E402
 from bloomery_jax.pallas.tickets import new_tickets  # noqa: E402
+from bloomery_jax.quant.repack import repack  # noqa: E402
+from bloomery_jax.synth.blocks import random_blocks  # noqa: E402
 
 
 def _chain(x, parts, norm, w, table, tickets, *, k: int, interpret: bool):
@@ -41,6 +52,48 @@ def _chain(x, parts, norm, w, table, tickets, *, k: int, interpret: bool):
         fused.append(jax.tree.leaves(out.route))
         split.append(jax.tree.leaves(route_topk(out.logits, k, table, i, interpret=interpret)))
     return fused, split, tickets
+
+
+def _down_chain(h, experts, weights, x, down, tickets, *, interpret: bool):
+    """``layers`` down launches on one counter buffer: per layer the combined sum, and x plus the
+    weighted sum of the plain launch's rows."""
+    fused, plain = [], []
+    n, k = weights.shape[1:]
+    for i in range(h.shape[0]):
+        got, tickets = moe_gemv_q8(h[i], down, experts[i], swiglu_halves=True, combine=(weights[i], x[i], tickets),
+                                   interpret=interpret)
+        y = moe_gemv_q8(h[i], down, experts[i], swiglu_halves=True, interpret=interpret)  # [P, D]
+        fused.append(got)
+        plain.append((x[i] + _weighted_sum(y.reshape(n, k, -1), weights[i]), jnp.abs(x[i]) + _weighted_sum(
+            jnp.abs(y).reshape(n, k, -1), weights[i])))
+    return fused, plain, tickets
+
+
+def check_down(args, rng) -> list[dict]:
+    """The down launch's combine against the plain launch, per row count."""
+    L, k, n_exp, d, f = args.layers, args.k, 16, args.dim, 768
+    down = repack(random_blocks(14, (n_exp, d, f), 0.02, rng), 14, (n_exp, d, f), "ggml")  # Q6_K
+    out = []
+    for n in (int(r) for r in args.rows.split(",")):
+        run = jax.jit(lambda *a: _down_chain(*a, interpret=args.interpret))
+        off, worst, tickets_nonzero = 0, 0.0, 0
+        tickets = new_tickets()
+        for _ in range(max(1, args.calls // 4)):
+            h = jnp.asarray(rng.standard_normal((L, 2, n * k, 2 * f)), jnp.float32)  # gate/up's split-K partials
+            experts = jnp.asarray(rng.integers(0, n_exp, (L, n * k)), jnp.int32)
+            weights = jnp.asarray(rng.uniform(0, 1, (L, n, k)), jnp.float32)
+            x = jnp.asarray(rng.standard_normal((L, n, d)), jnp.float32)
+            fused, plain, tickets = run(h, experts, weights, x, down, tickets)
+            for got, (want, mag) in zip(fused, plain):
+                rel = np.abs(np.asarray(got) - np.asarray(want)) / np.asarray(mag)
+                off += int(np.sum(rel > 1e-4))
+                worst = max(worst, float(rel.max()))
+            tickets_nonzero += int(np.asarray(tickets).any())
+        shape = {"launch": "down", "rows": n, "sums": max(1, args.calls // 4) * L * n * d, "off": off,
+                 "worst_relative": worst, "tickets_nonzero": tickets_nonzero}
+        print(json.dumps(shape), flush=True)
+        out.append(shape)
+    return out
 
 
 def main() -> None:
@@ -81,11 +134,13 @@ def main() -> None:
                 for name, a, b in zip(mismatched, f, r):
                     mismatched[name] += int(np.sum(np.asarray(a) != np.asarray(b)))
             tickets_nonzero += int(np.asarray(tickets).any())
-        shape = {"rows": n, "parts": s, "routings": args.calls * L * n, "mismatched": mismatched,
+        shape = {"launch": "router", "rows": n, "parts": s, "routings": args.calls * L * n, "mismatched": mismatched,
                  "tickets_nonzero": tickets_nonzero}
         result["shapes"].append(shape)
         print(json.dumps(shape), flush=True)
-    result["ok"] = all(not sum(s["mismatched"].values()) and not s["tickets_nonzero"] for s in result["shapes"])
+    result["down"] = check_down(args, rng)
+    result["ok"] = (all(not sum(s["mismatched"].values()) and not s["tickets_nonzero"] for s in result["shapes"])
+                    and all(not s["off"] and not s["tickets_nonzero"] for s in result["down"]))
     print(json.dumps(result))
     if args.json:
         with open(args.json, "w") as f:
