@@ -52,6 +52,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from bloomery_jax.engine.engine import Engine  # noqa: E402
 from bloomery_jax.engine.sampling import SamplingParams  # noqa: E402
 from bloomery_jax.engine.startup import Progress, open_model  # noqa: E402
+from bloomery_jax.settings import ROUTING  # noqa: E402
 
 
 def decode_inputs(engine, seq):
@@ -191,7 +192,7 @@ def main(argv=None):
     p.add_argument("--attention", default="xla", choices=("xla", "pallas"))
     p.add_argument("--place", default="card")
     p.add_argument("--bridge", default="callback", choices=("callback", "ffi"), help="host experts' bridge")
-    p.add_argument("--routing", default="xla", choices=("xla", "pallas"), help="MoE routing")
+    p.add_argument("--routing", default="xla", choices=[r for r in ROUTING if r != "auto"], help="MoE routing (cli_options.ROUTING_HELP)")
     p.add_argument("--prompt", type=int, default=64, help="prompt tokens before decoding")
     p.add_argument("--steps", type=int, default=32, help="decode steps timed, then traced")
     p.add_argument("--top", type=int, default=40, help="kernels listed")

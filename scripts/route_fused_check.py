@@ -1,20 +1,20 @@
-"""Check on a card the launches whose last program finishes by ticket (``pallas.tickets``): that
-the router launch's own top-k (``router_logits(..., route_k=)``) routes exactly as
-``route_topk`` does on the logits that launch wrote, and that the down launch's sum
-(``moe_gemv_q8(..., combine=)``) is x plus the weighted rows of the plain launch.
+"""Check on a card the launches whose last program finishes by ticket (``pallas.tickets``):
+the router launch's own top-k (``router_logits(..., route_k=)``) against ``route_topk`` on the
+logits that launch wrote, and the down launch's and the output projection's sums
+(``moe_gemv_q8``/``qgemv_q8(..., combine=)``) against x plus the plain launch's rows.
 
-The fused form's last logit program reads every program's logits after an atomic ticket (a
-barrier, then an acquire-release add at GPU scope). The CPU tests run programs one by one, so
-only a card can show a read that ran ahead of another program's stores: it would route by a
-stale or unwritten logit. Each jitted call here chains ``--layers`` router launches on one
-counter buffer, as a decode step does (every layer different x, router and placement row), and
-compares each launch's routing with ``route_topk`` on its logits: experts, weights, margins and
-card slots bit for bit, and the counters back at 0. The down check chains ``--layers`` down
-launches likewise (random Q6_K experts of the Qwen3-30B-A3B shape, [16, 2048, 768]) and counts
-outputs off ``x + ops.experts._weighted_sum(plain launch)`` by more than 1e-4 of their magnitude
-(|x| + sum_j w_j |y_j|): rounding differs by a few 2^-24 of it; a stale or missing row, read
-before its program stored it, is off by a whole weighted row. Prints one JSON line (and writes
-it to --json).
+The last program reads the others' stores after an atomic ticket (a barrier, then an
+acquire-release add at GPU scope). The CPU tests run programs one by one, so only a card can
+show a read that ran ahead of another program's stores. Each jitted call chains ``--layers``
+launches on one counter buffer, as a decode step does (every layer different inputs), and
+checks each one:
+- router: experts, margins and card slots bit for bit; weights and card weights within
+  ``WEIGHT_ULPS`` 2^-24 (the softmax's sums run over the launch's warps, route_topk's over one);
+  a stale logit would pick another expert or move a margin;
+- down and o: outputs off by more than 1e-4 of their magnitude (|x| + sum_j w_j |y_j|) are
+  counted: rounding differs by a few 2^-24 of it, a stale or missing row by a whole row;
+- the counters back at 0 after every call.
+Prints one JSON line per shape and the whole result (also to --json).
 
   python scripts/route_fused_check.py --calls 200 --json check.json     # on the GPU
   python scripts/route_fused_check.py --calls 2 --layers 2 --interpret  # CPU smoke run
@@ -34,20 +34,23 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bloomery_jax.ops.experts import _weighted_sum  # noqa: E402
-from bloomery_jax.pallas.qgemv_q8 import moe_gemv_q8  # noqa: E402
+from bloomery_jax.pallas.qgemv_q8 import moe_gemv_q8, qgemv_q8  # noqa: E402
 from bloomery_jax.pallas.route import route_topk, router_logits  # noqa: E402
 from bloomery_jax.pallas.tickets import new_tickets  # noqa: E402
 from bloomery_jax.quant.repack import repack  # noqa: E402
 from bloomery_jax.synth.blocks import random_blocks  # noqa: E402
 
 
-def _chain(x, parts, norm, w, table, tickets, *, k: int, interpret: bool):
+WEIGHT_ULPS = 16  # weights (<= 1) equal to within this many 2^-24: a few ulps of the softmax's sums
+
+
+def _chain(x, norm, w, table, tickets, *, k: int, interpret: bool):
     """``layers`` router launches on one counter buffer; per layer the fused routing and route_topk's on
     its logits, and the counters at the end."""
     fused, split = [], []
     for i in range(w.shape[0]):
-        out = router_logits(x[i], norm[i], 1e-6, w[i], parts=None if parts is None else parts[i], rounded=True,
-                            route_k=k, slot_table=table, layer=i, tickets=tickets, interpret=interpret)
+        out = router_logits(x[i], norm[i], 1e-6, w[i], rounded=True, route_k=k, slot_table=table, layer=i,
+                            tickets=tickets, interpret=interpret)
         tickets = out.tickets
         fused.append(jax.tree.leaves(out.route))
         split.append(jax.tree.leaves(route_topk(out.logits, k, table, i, interpret=interpret)))
@@ -56,7 +59,7 @@ def _chain(x, parts, norm, w, table, tickets, *, k: int, interpret: bool):
 
 def _down_chain(h, experts, weights, x, down, tickets, *, interpret: bool):
     """``layers`` down launches on one counter buffer: per layer the combined sum, and x plus the
-    weighted sum of the plain launch's rows."""
+    weighted sum of the plain launch's rows (with its magnitude)."""
     fused, plain = [], []
     n, k = weights.shape[1:]
     for i in range(h.shape[0]):
@@ -69,30 +72,58 @@ def _down_chain(h, experts, weights, x, down, tickets, *, interpret: bool):
     return fused, plain, tickets
 
 
-def check_down(args, rng) -> list[dict]:
-    """The down launch's combine against the plain launch, per row count."""
+def _o_chain(a, x, w_o, tickets, *, interpret: bool):
+    """``layers`` output projections adding x on one counter buffer, and x plus the plain launch's."""
+    fused, plain = [], []
+    for i in range(a.shape[0]):
+        got, tickets = qgemv_q8(a[i], w_o, combine=(x[i], tickets), interpret=interpret)
+        y = qgemv_q8(a[i], w_o, interpret=interpret)
+        fused.append(got)
+        plain.append((x[i] + y, jnp.abs(x[i]) + jnp.abs(y)))
+    return fused, plain, tickets
+
+
+def _count_off(fused, plain) -> tuple[int, float]:
+    """Outputs off by more than 1e-4 of their magnitude, and the largest relative difference."""
+    off, worst = 0, 0.0
+    for got, (want, mag) in zip(fused, plain):
+        rel = np.abs(np.asarray(got) - np.asarray(want)) / np.asarray(mag)
+        off += int(np.sum(rel > 1e-4))
+        worst = max(worst, float(rel.max()))
+    return off, worst
+
+
+def check_combines(args, rng) -> list[dict]:
+    """The down launch's and the output projection's combine against the plain launches, per row
+    count (random Q6_K down experts [16, 2048, 768], a Q4_K [2048, 4096] projection)."""
     L, k, n_exp, d, f = args.layers, args.k, 16, args.dim, 768
     down = repack(random_blocks(14, (n_exp, d, f), 0.02, rng), 14, (n_exp, d, f), "ggml")  # Q6_K
+    w_o = repack(random_blocks(12, (d, 2 * d), 0.02, rng), 12, (d, 2 * d), "ggml")  # Q4_K
     out = []
+    calls = max(1, args.calls // 4)
     for n in (int(r) for r in args.rows.split(",")):
-        run = jax.jit(lambda *a: _down_chain(*a, interpret=args.interpret))
-        off, worst, tickets_nonzero = 0, 0.0, 0
-        tickets = new_tickets()
-        for _ in range(max(1, args.calls // 4)):
-            h = jnp.asarray(rng.standard_normal((L, 2, n * k, 2 * f)), jnp.float32)  # gate/up's split-K partials
-            experts = jnp.asarray(rng.integers(0, n_exp, (L, n * k)), jnp.int32)
-            weights = jnp.asarray(rng.uniform(0, 1, (L, n, k)), jnp.float32)
-            x = jnp.asarray(rng.standard_normal((L, n, d)), jnp.float32)
-            fused, plain, tickets = run(h, experts, weights, x, down, tickets)
-            for got, (want, mag) in zip(fused, plain):
-                rel = np.abs(np.asarray(got) - np.asarray(want)) / np.asarray(mag)
-                off += int(np.sum(rel > 1e-4))
-                worst = max(worst, float(rel.max()))
-            tickets_nonzero += int(np.asarray(tickets).any())
-        shape = {"launch": "down", "rows": n, "sums": max(1, args.calls // 4) * L * n * d, "off": off,
-                 "worst_relative": worst, "tickets_nonzero": tickets_nonzero}
-        print(json.dumps(shape), flush=True)
-        out.append(shape)
+        for launch in ("down", "o"):
+            chain = _down_chain if launch == "down" else _o_chain
+            run = jax.jit(lambda *a, chain=chain: chain(*a, interpret=args.interpret))
+            off, worst, tickets_nonzero = 0, 0.0, 0
+            tickets = new_tickets()
+            for _ in range(calls):
+                x = jnp.asarray(rng.standard_normal((L, n, d)), jnp.float32)
+                if launch == "down":
+                    h = jnp.asarray(rng.standard_normal((L, 2, n * k, 2 * f)), jnp.float32)  # gate/up's split-K partials
+                    experts = jnp.asarray(rng.integers(0, n_exp, (L, n * k)), jnp.int32)
+                    weights = jnp.asarray(rng.uniform(0, 1, (L, n, k)), jnp.float32)
+                    fused, plain, tickets = run(h, experts, weights, x, down, tickets)
+                else:
+                    a = jnp.asarray(rng.standard_normal((L, n, 2 * d)), jnp.float32)
+                    fused, plain, tickets = run(a, x, w_o, tickets)
+                o, wst = _count_off(fused, plain)
+                off, worst = off + o, max(worst, wst)
+                tickets_nonzero += int(np.asarray(tickets).any())
+            shape = {"launch": launch, "rows": n, "sums": calls * L * n * d, "off": off, "worst_relative": worst,
+                     "tickets_nonzero": tickets_nonzero}
+            print(json.dumps(shape), flush=True)
+            out.append(shape)
     return out
 
 
@@ -104,7 +135,6 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--dim", type=int, default=2048)
     ap.add_argument("--k", type=int, default=8)
-    ap.add_argument("--parts", type=int, default=8, help="split-K parts added to x (rows 1 only; 0: none)")
     ap.add_argument("--interpret", action="store_true", help="Pallas interpreter (CPU smoke run)")
     ap.add_argument("--json", help="also write the result here")
     args = ap.parse_args()
@@ -114,14 +144,12 @@ def main() -> None:
     result = {"check": "route_fused", "device": jax.devices()[0].device_kind, "layers": L, "experts": E, "dim": D,
               "k": k, "calls": args.calls, "shapes": []}
     for n in (int(r) for r in args.rows.split(",")):
-        s = args.parts if n == 1 else 0
         run = jax.jit(lambda *a: _chain(*a, k=k, interpret=args.interpret))
         mismatched = {"experts": 0, "weights": 0, "margin": 0, "slots": 0, "card_weights": 0}
-        tickets_nonzero = 0
+        tickets_nonzero, worst_weight = 0, 0.0
         tickets = new_tickets()
         for c in range(args.calls):
             x = jnp.asarray(rng.standard_normal((L, n, D)) * 3, jnp.float32)
-            parts = jnp.asarray(rng.standard_normal((L, s, n, D)), jnp.float32) if s else None
             norm = jnp.asarray(rng.uniform(0.5, 2, (L, D)), jnp.float32)
             # a router with near-ties on some calls (rounded weights): the order among equal
             # logits must come out as route_topk's too
@@ -129,18 +157,23 @@ def main() -> None:
             if c % 4 == 3:
                 w = np.round(w * 64) / 64
             table = np.where(rng.random((L, E)) < 0.4, -1, rng.integers(0, E, (L, E)))
-            fused, split, tickets = run(x, parts, norm, jnp.asarray(w, jnp.float32), jnp.asarray(table, jnp.int32), tickets)
+            fused, split, tickets = run(x, norm, jnp.asarray(w, jnp.float32), jnp.asarray(table, jnp.int32), tickets)
             for f, r in zip(fused, split):
                 for name, a, b in zip(mismatched, f, r):
-                    mismatched[name] += int(np.sum(np.asarray(a) != np.asarray(b)))
+                    a, b = np.asarray(a), np.asarray(b)
+                    if "weights" in name:  # the softmax sums run in another order (the launch's warps): ulps
+                        worst_weight = max(worst_weight, float(np.max(np.abs(a - b))))
+                        mismatched[name] += int(np.sum(np.abs(a - b) > WEIGHT_ULPS * 2.0 ** -24))
+                    else:
+                        mismatched[name] += int(np.sum(a != b))
             tickets_nonzero += int(np.asarray(tickets).any())
-        shape = {"launch": "router", "rows": n, "parts": s, "routings": args.calls * L * n, "mismatched": mismatched,
-                 "tickets_nonzero": tickets_nonzero}
+        shape = {"launch": "router", "rows": n, "routings": args.calls * L * n, "mismatched": mismatched,
+                 "worst_weight_diff": worst_weight, "tickets_nonzero": tickets_nonzero}
         result["shapes"].append(shape)
         print(json.dumps(shape), flush=True)
-    result["down"] = check_down(args, rng)
+    result["combines"] = check_combines(args, rng)
     result["ok"] = (all(not sum(s["mismatched"].values()) and not s["tickets_nonzero"] for s in result["shapes"])
-                    and all(not s["off"] and not s["tickets_nonzero"] for s in result["down"]))
+                    and all(not s["off"] and not s["tickets_nonzero"] for s in result["combines"]))
     print(json.dumps(result))
     if args.json:
         with open(args.json, "w") as f:

@@ -436,6 +436,37 @@ def test_combine_adds_the_weighted_pairs_to_x(tokens, k, split):
         moe_gemv_q8(h, pw, experts, config=cfg, combine=(weights, x[:, :8], tickets), interpret=True)
 
 
+@pytest.mark.parametrize("rows, split", [(1, 4), (3, 1)])
+def test_dense_combine_adds_x(rows, split):
+    """qgemv_q8(..., combine=(x_res, tickets)): the last program of each row tile returns x_res
+    plus the product. Against float64 on the rounded activations: the product within the
+    kernel's bound, plus one rounding of the add (2^-24 of |x_res| + |y|); x_res left out fails
+    it; the tickets come back at 0, and a second launch on them adds again."""
+    from bloomery_jax.pallas.tickets import new_tickets
+
+    rng = np.random.default_rng(rows * 7 + split)
+    n, k = 64, 1024
+    raw = weight(T.Q4_K, n, k, rng)
+    pw = repack(raw, T.Q4_K, (n, k), "ggml")
+    cfg = GemvConfig(16, 1, 4, 3, split)
+    a = jnp.asarray(rng.standard_normal((rows, k)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((rows, n)) * 4, jnp.float32)
+    xv = np.asarray(quantize_q8_1(a).values(), np.float64)
+    w64 = np.asarray(dequantize(raw, T.Q4_K, (n, k)), np.float64)
+    y = xv @ w64.T
+    mag_w = np.asarray(scale_magnitudes(pw, stored_quants=True), np.float64)
+    x64 = np.asarray(x, np.float64)
+    bound = 1.01 * (rounding_depth(T.Q4_K, k, cfg) * U * (np.abs(xv) @ mag_w.T) + U * (np.abs(x64) + np.abs(y)))
+    tickets = new_tickets()
+    for _ in range(2):
+        got, tickets = qgemv_q8(a, pw, config=cfg, combine=(x, tickets), interpret=True)
+        assert got.shape == (rows, n) and not np.asarray(tickets).any()
+        assert (np.abs(np.asarray(got, np.float64) - (x64 + y)) <= bound).all()
+    assert not (np.abs(np.asarray(got, np.float64) - y) <= bound).all()
+    with pytest.raises(ValueError, match="combine needs"):
+        qgemv_q8(a, pw, config=cfg, combine=(x[:, :8], tickets), interpret=True)
+
+
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
 def test_round_first_gives_the_same_output(qtype):
     """Float x rounded in every program (round_first=False), in a launch of its own first (True,
@@ -478,6 +509,11 @@ def test_float_x_lowers_to_triton_for_h200(monkeypatch):
     o = repack(weight(T.Q4_K, 2048, 4096, rng), T.Q4_K, (2048, 4096), "ggml")
     assert triton_kernels(monkeypatch, lambda x, w: qgemv_q8(x, w), jax.ShapeDtypeStruct((1, 4096), jnp.float32), o) == [
         ("qgemv_q8_q4_k", 90, True)]
+    from bloomery_jax.pallas.tickets import TICKETS
+
+    residual = (jax.ShapeDtypeStruct((1, 2048), jnp.float32), jax.ShapeDtypeStruct((TICKETS,), jnp.int32))
+    assert triton_kernels(monkeypatch, lambda x, w, c: qgemv_q8(x, w, combine=c), jax.ShapeDtypeStruct((1, 4096), jnp.float32),
+                          o, residual) == [("qgemv_q8_q4_k", 90, True)]
     gu = tuple(repack(np.stack([weight(T.Q4_K, 768, 2048, rng) for _ in range(2)]), T.Q4_K, (2, 768, 2048), "ggml")
                for _ in range(2))
     experts = jax.ShapeDtypeStruct((8,), jnp.int32)
@@ -488,8 +524,6 @@ def test_float_x_lowers_to_triton_for_h200(monkeypatch):
     assert triton_kernels(monkeypatch, lambda h, w, e: moe_gemv_q8(h, w, e, swiglu_halves=True),
                           jax.ShapeDtypeStruct((8, 1536), jnp.float32), down, experts) == [("moe_gemv_q8_q6_k", 90, True)]
     # down adding its weighted rows to x in each row tile's last program (on split-K partials, as the step)
-    from bloomery_jax.pallas.tickets import TICKETS
-
     combined = (jax.ShapeDtypeStruct((1, 8), jnp.float32), jax.ShapeDtypeStruct((1, 2048), jnp.float32),
                 jax.ShapeDtypeStruct((TICKETS,), jnp.int32))
     assert triton_kernels(monkeypatch, lambda h, w, e, c: moe_gemv_q8(h, w, e, swiglu_halves=True, combine=c),

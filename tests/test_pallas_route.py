@@ -10,8 +10,8 @@ from triton_lowering import triton_kernels
 
 from bloomery_jax.ops.norms import rms_norm
 from bloomery_jax.ops.routing import route_topk as reference
-from bloomery_jax.pallas.route import (route_topk, router_logits, router_logits_adds, router_logits_rounds,
-                                       router_logits_routes, router_logits_serves)
+from bloomery_jax.pallas.route import (route_topk, router_logits, router_logits_rounds, router_logits_routes,
+                                       router_logits_serves)
 from bloomery_jax.pallas.tickets import TICKETS
 
 
@@ -122,7 +122,7 @@ def test_router_logits_rounds_the_normed_rows(N, E, D, block_e):
     assert router_logits_rounds(x.shape, w)
     out = router_logits(x, norm, 1e-6, w, block_e=block_e, rounded=True, interpret=True)
     got = out.x8
-    assert out.rows is None and out.route is None and out.tickets is None
+    assert out.route is None and out.tickets is None
     np.testing.assert_array_equal(out.logits, router_logits(x, norm, 1e-6, w, block_e=block_e, interpret=True))
     h = rms_norm(x, norm, 1e-6)
     ref = quantize_q8_1(h)
@@ -133,31 +133,6 @@ def test_router_logits_rounds_the_normed_rows(N, E, D, block_e):
     q, q_ref = np.asarray(q8_1_ints(got.qs)), np.asarray(q8_1_ints(ref.qs))  # [N, D/32, 32]
     np.testing.assert_array_equal(got.sums, q.reshape(N, -1, 16).sum(-1))
     assert np.abs(q - q_ref).max() <= 1 and np.mean(q != q_ref) <= 0.01
-
-
-@pytest.mark.parametrize("N, S, E, D, rounded", [(1, 8, 128, 2048, True), (2, 4, 8, 96, False), (3, 1, 16, 256, True)])
-def test_router_logits_adds_the_parts_to_x(N, S, E, D, rounded):
-    """parts: the rows are the partial sums added in order, then x, bit for bit, returned as
-    rows; the logits and the Q8_1 blocks are exactly what router_logits gives on those rows."""
-    rng = np.random.default_rng(N * 3 + S + E + D)
-    x = jnp.asarray(rng.standard_normal((N, D)) * 3, jnp.float32)
-    parts = jnp.asarray(rng.standard_normal((S, N, D)), jnp.float32)
-    norm = jnp.asarray(rng.uniform(0.5, 2, D), jnp.float32)
-    w = jnp.asarray(rng.standard_normal((E, D)) * 0.02, jnp.float32)
-    assert router_logits_adds(x.shape, S, w)
-    out = router_logits(x, norm, 1e-6, w, parts=parts, rounded=rounded, interpret=True)
-    want = np.asarray(parts[0])
-    for s in range(1, S):
-        want = want + np.asarray(parts[s])
-    want = want + np.asarray(x)  # float32 throughout, in the kernel's order
-    np.testing.assert_array_equal(out.rows, want)
-    ref = router_logits(jnp.asarray(want), norm, 1e-6, w, rounded=rounded, interpret=True)
-    np.testing.assert_array_equal(out.logits, ref.logits if rounded else ref)
-    if rounded:
-        for field in ("qs", "d", "sums"):
-            np.testing.assert_array_equal(getattr(out.x8, field), getattr(ref.x8, field))
-    else:
-        assert out.x8 is None
 
 
 @pytest.mark.parametrize("N, E, k, block_e, placed", [(1, 128, 8, 4, False), (1, 128, 8, 4, True), (3, 16, 5, 4, True),
@@ -200,10 +175,7 @@ def test_router_logits_refuses_what_it_cannot_serve():
     assert router_logits_serves(1, w[:, :48]) and not router_logits_rounds((1, 48), w[:, :48])
     with pytest.raises(ValueError, match="rows of 48 are not Q8_1 blocks"):
         router_logits(jnp.ones((1, 48)), jnp.ones(48), 1e-6, w[:, :48], rounded=True, interpret=True)
-    # parts: at most PARTS_MAX_ROWS rows of them; route_k: E a power of two, and tickets
-    assert router_logits_adds((1, 2048), 8, w) and not router_logits_adds((2, 2048), 8, w)
-    with pytest.raises(ValueError, match="parts must be"):
-        router_logits(jnp.ones((2, 2048)), jnp.ones(2048), 1e-6, w, parts=jnp.ones((8, 2, 2048)), interpret=True)
+    # route_k: E a power of two, and tickets
     assert router_logits_routes(1, w, 8) and not router_logits_routes(1, w[:96], 8) and not router_logits_routes(1, w, 0)
     with pytest.raises(ValueError, match="needs E a power of two"):
         router_logits(jnp.ones((1, 2048)), jnp.ones(2048), 1e-6, w, route_k=8, interpret=True)
@@ -223,20 +195,19 @@ def test_router_logits_lower_to_triton_for_h200(monkeypatch, N, rounded, chunk):
 
 
 @pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
-@pytest.mark.parametrize("N, S, placed", [(1, 8, True), (3, 0, True), (8, 1, False)])
-def test_router_logits_with_parts_and_routing_lower_to_triton_for_h200(monkeypatch, N, S, placed):
+@pytest.mark.parametrize("N, placed", [(1, True), (3, True), (8, False)])
+def test_router_logits_with_routing_lower_to_triton_for_h200(monkeypatch, N, placed):
     x = jax.ShapeDtypeStruct((N, 2048), jnp.float32)
     norm = jax.ShapeDtypeStruct((2048,), jnp.float32)
     w = jax.ShapeDtypeStruct((128, 2048), jnp.float32)
-    parts = jax.ShapeDtypeStruct((S, N, 2048), jnp.float32) if S else None
     table = jax.ShapeDtypeStruct((48, 128), jnp.int32) if placed else None
     tickets = jax.ShapeDtypeStruct((TICKETS,), jnp.int32)
 
-    def launch(x, n, w, parts, table, tickets):
+    def launch(x, n, w, table, tickets):
         kw = dict(slot_table=table, layer=47) if placed else {}
-        return router_logits(x, n, 1e-6, w, parts=parts, rounded=True, route_k=8, tickets=tickets, **kw)
+        return router_logits(x, n, 1e-6, w, rounded=True, route_k=8, tickets=tickets, **kw)
 
-    assert triton_kernels(monkeypatch, launch, x, norm, w, parts, table, tickets) == [("router_logits", 90, True)]
+    assert triton_kernels(monkeypatch, launch, x, norm, w, table, tickets) == [("router_logits", 90, True)]
 
 
 def test_model_routing_pallas_matches_xla(synth_model):

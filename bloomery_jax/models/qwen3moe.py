@@ -9,7 +9,6 @@ by the synthesizer); ``forward`` is the pure step (jit it with ``jit_forward``).
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -19,12 +18,11 @@ from ..gguf_file import GGUFFile
 from ..ops.attention import gqa_attention
 from ..ops.experts import placed_moe_swiglu, takes_rounded_x
 from ..ops.norms import rms_norm
-from ..ops.qmatmul import as_f32, interpret_kernels, qmatmul, qmatmul_many, take_rows, weight_qtype
+from ..ops.qmatmul import as_f32, interpret_kernels, qmatmul, qmatmul_add, qmatmul_many, take_rows, weight_qtype
 from ..ops.rope import RopeConfig, apply_rope, rope_cos_sin
 from ..ops.routing import route_topk
 from ..pallas import attn_prep
-from ..pallas.qgemv import add_partials
-from ..pallas.route import RouterOut, router_logits_adds, router_logits_rounds, router_logits_routes
+from ..pallas.route import RouterOut, router_logits_rounds, router_logits_routes
 from ..pallas.route import route_topk as fused_route_topk
 from ..pallas.route import router_logits as router_logits_kernel
 from ..pallas.route import router_logits_serves
@@ -240,18 +238,9 @@ class Routing:
     margin: jax.Array  # float32 [L, B, T]: k-th minus (k+1)-th router logit (near-tie detector)
 
 
-class Pending(NamedTuple):
-    """A residual add not made yet: ``x + sum_s parts[s]``, parts the split-K partial sums
-    ``[S, B*T, D]`` of the product added to x."""
-
-    x: jax.Array  # [B, T, D]
-    parts: jax.Array  # [S, B*T, D]
-
-    def total(self) -> jax.Array:
-        return self.x + add_partials(self.parts).reshape(self.x.shape)
-
-
-def _attention_block(params, cfg: Config, i: int, x, cos, sin, positions, cache: KVCache, mask):
+def _attention_block(params, cfg: Config, i: int, x, cos, sin, positions, cache: KVCache, mask, tickets=None):
+    """The attention block on x: (x plus its output, the cache, the tickets). ``tickets``: the
+    step's counter buffer (``pallas.tickets``), with which the decode output projection adds x."""
     b = f"blk.{i}."
     B, T, _ = x.shape
     ar = cfg.act_rounding
@@ -282,36 +271,35 @@ def _attention_block(params, cfg: Config, i: int, x, cos, sin, positions, cache:
         k_all, v_all = cache.layer(i)  # [B, S, Hkv, Dh]
         o = gqa_attention(q, k_all, v_all, mask, cfg.attn_scale)  # [B, T, Hq, Dh]
     o = o.reshape(B, T, cfg.q_dim)  # [B, T, Hq*Dh]
-    if one_token:  # the residual add waits for the MoE block, whose router launch may make it
-        return Pending(x, qmatmul(o, params[b + "attn_output.weight"], ar, partials=True)), cache
-    return x + qmatmul(o, params[b + "attn_output.weight"], ar, cfg.prefill_precision), cache
+    w_o = params[b + "attn_output.weight"]
+    if tickets is not None:  # the residual add made where the decode GEMV finishes (no launch of its own)
+        x, tickets = qmatmul_add(x, o, w_o, ar, cfg.prefill_precision, tickets)
+        return x, cache, tickets
+    return x + qmatmul(o, w_o, ar, cfg.prefill_precision), cache, tickets
 
 
-def _router(cfg: Config, x, parts, norm, router_f32, gate, placement, i: int, tickets):
+def _router(cfg: Config, x, norm, router_f32, gate, placement, i: int, tickets):
     """A decode step's router launch (``pallas.route.router_logits``): the norm, the router
-    product, and as far as the shapes allow the pending residual add (returned as the new x), the
-    rounding of the normed x for the integer-dot experts (x8) and, for routing "pallas", the
-    top-k (with the placement's card slots). Returns (x, x8, logits, route or None, tickets)."""
+    product, and as far as the shapes allow the rounding of the normed x for the integer-dot
+    experts (x8) and, for routing "pallas", the top-k (with the placement's card slots).
+    Returns (x8, logits, route or None, tickets)."""
     B, T, D = x.shape
     N, k = B * T, cfg.n_experts_used
-    if parts is not None and not router_logits_adds((N, D), parts.shape[0], router_f32):
-        x, parts = Pending(x, parts).total(), None
     rounded = takes_rounded_x(gate, N, k, cfg.act_rounding) and router_logits_rounds((N, D), router_f32)
-    route_k = k if cfg.routing == "pallas" and router_logits_routes(N, router_f32, k) else 0
+    route_k = k if cfg.routing == "pallas" and tickets is not None and router_logits_routes(N, router_f32, k) else 0
     table = {} if placement is None or not route_k else dict(slot_table=placement.slot_of, layer=i)
-    out = router_logits_kernel(x.reshape(N, D), *norm, router_f32, parts=parts, rounded=rounded, route_k=route_k,
+    out = router_logits_kernel(x.reshape(N, D), *norm, router_f32, rounded=rounded, route_k=route_k,
                                tickets=tickets if route_k else None, **table, interpret=interpret_kernels())
     if not isinstance(out, RouterOut):
-        return x, None, out, None, tickets
-    x = x if out.rows is None else out.rows.reshape(B, T, D)
-    return x, out.x8, out.logits, out.route, out.tickets if route_k else tickets
+        return None, out, None, tickets
+    return out.x8, out.logits, out.route, out.tickets if route_k else tickets
 
 
 def _moe_block(params, cfg: Config, i: int, x, placement, tickets=None):
-    """The MoE block on x (or a :class:`Pending` add, made here); ``tickets``: the step's
-    counter buffer (``pallas.tickets``). Returns (x, route, tickets)."""
+    """The MoE block on x; ``tickets``: the step's counter buffer (``pallas.tickets``), with
+    which the router's launch routes and the decode down launch adds x. Returns (x plus the
+    block's output, the route, the tickets)."""
     b = f"blk.{i}."
-    x, parts = (x.x, x.parts) if isinstance(x, Pending) else (x, None)
     B, T, D = x.shape
     norm = (as_f32(params[b + "ffn_norm.weight"]), cfg.rms_eps)
     router = params[b + "ffn_gate_inp.weight"]
@@ -321,9 +309,8 @@ def _moe_block(params, cfg: Config, i: int, x, placement, tickets=None):
     gate = params[b + "ffn_gate_exps.weight"]
     route, card, x8 = None, None, None
     if cfg.routing != "xla" and router_f32 is not None and router_logits_serves(B * T, router_f32):
-        x, x8, router_logits, route, tickets = _router(cfg, x, parts, norm, router_f32, gate, placement, i, tickets)
+        x8, router_logits, route, tickets = _router(cfg, x, norm, router_f32, gate, placement, i, tickets)
     else:
-        x = x if parts is None else Pending(x, parts).total()
         h = rms_norm(x, *norm).reshape(B * T, D)  # [N, D]
         router_logits = qmatmul(h, router, cfg.act_rounding)  # [N, E]
     if route is not None:  # routed in the router's launch
@@ -375,9 +362,9 @@ def forward(params, cfg: Config, tokens, positions, cache: KVCache, placement=No
     mask = cache.mask(positions)  # [B, T, S]
     x = take_rows(params["token_embd.weight"], tokens)  # [B, T, D]
     routes = []
-    tickets = new_tickets() if cfg.routing == "pallas" else None  # counters of the launches' last programs, one buffer for all layers
+    tickets = new_tickets()  # counters of the decode launches' last programs, one buffer for every layer (unused: dropped)
     for i in range(cfg.n_layers):  # a Python loop: tensor types may differ between layers
-        x, cache = _attention_block(params, cfg, i, x, cos, sin, positions, cache, mask)
+        x, cache, tickets = _attention_block(params, cfg, i, x, cos, sin, positions, cache, mask, tickets)
         x, route, tickets = _moe_block(params, cfg, i, x, placement, tickets)
         routes.append(route)
     if logits_at is not None:  # only the rows asked for go through the norm and the V-wide output matmul

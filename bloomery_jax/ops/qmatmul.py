@@ -54,7 +54,7 @@ def interpret_kernels() -> bool:
     return jax.default_backend() not in ("gpu", "cuda")
 
 
-def qmatmul(x: jax.Array, w, act_rounding: str = "none", precision: str = "tf32x3", partials: bool = False) -> jax.Array:
+def qmatmul(x: jax.Array, w, act_rounding: str = "none", precision: str = "tf32x3") -> jax.Array:
     """``x @ w.T`` for a GGUF weight ``w`` of shape ``[N, K]`` (K inputs to N outputs).
 
     Args:
@@ -63,17 +63,12 @@ def qmatmul(x: jax.Array, w, act_rounding: str = "none", precision: str = "tf32x
       act_rounding: one of ``ops.actquant.ACT_ROUNDINGS`` (``"ggml-cpu"``: round ``x`` as llama.cpp's CPU backend;
         ``"ggml-cuda"`` and ``"q8-decode"``: the integer-dot GEMV at decode, see above).
       precision: a PackedWeight's product for more than ``GEMV_MAX_ROWS`` rows (see above).
-      partials: return float32 ``[S, R, N]`` (R = rows of x), whose sum over S is the product: the
-        integer-dot GEMV's split-K partial sums as the kernel wrote them, S = 1 elsewhere.
     Returns:
-      float32 ``[..., N]`` (``[S, R, N]`` with ``partials``).
+      float32 ``[..., N]``.
     """
     if takes_q8(w, act_rounding) and x.size // x.shape[-1] <= GEMV_MAX_ROWS:  # x rounded to Q8_1 in-kernel
         rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)  # [R, K]
-        y = qgemv_q8(rows, w, partials=partials, interpret=interpret_kernels())  # [(S,) R, N]
-        return y if partials else y.reshape(*x.shape[:-1], w.shape[0])
-    if partials:
-        return qmatmul(x, w, act_rounding, precision).reshape(1, -1, w.shape[0])  # [1, R, N]
+        return qgemv_q8(rows, w, interpret=interpret_kernels()).reshape(*x.shape[:-1], w.shape[0])
     quant_tiles = isinstance(w, PackedWeight) and x.size // x.shape[-1] > GEMV_MAX_ROWS and precision in QUANT_TILES
     x = x.astype(jnp.float32)
     if not (quant_tiles and tiles_round_activations(precision, act_rounding)):
@@ -87,6 +82,19 @@ def qmatmul(x: jax.Array, w, act_rounding: str = "none", precision: str = "tf32x
         if not interpret_kernels():
             return jnp.einsum("...k,nk->...n", x, as_f32(w), precision=GEMM_ALGORITHMS[precision])
     return jnp.einsum("...k,nk->...n", x, as_f32(w), precision=HIGHEST)
+
+
+def qmatmul_add(x_res: jax.Array, x: jax.Array, w, act_rounding: str, precision: str, tickets: jax.Array):
+    """``(x_res + qmatmul(x, w, act_rounding, precision), tickets)``: a residual add. The
+    integer-dot decode GEMV makes it in the last program of each row tile
+    (``pallas.qgemv_q8(..., combine=)``, with ``tickets`` from ``pallas.tickets.new_tickets``),
+    so it has no launch of its own; elsewhere XLA adds, and the tickets pass through."""
+    if takes_q8(w, act_rounding) and x.size // x.shape[-1] <= GEMV_MAX_ROWS:
+        rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)  # [R, K]
+        res = x_res.reshape(rows.shape[0], w.shape[0]).astype(jnp.float32)  # [R, N]
+        out, tickets = qgemv_q8(rows, w, combine=(res, tickets), interpret=interpret_kernels())
+        return out.reshape(x_res.shape), tickets
+    return x_res + qmatmul(x, w, act_rounding, precision), tickets
 
 
 def qmatmul_many(x: jax.Array, ws, act_rounding: str = "none", norm: tuple | None = None, partials: bool = False,

@@ -360,14 +360,16 @@ class _XSource:
     swiglu: bool = False
     partials: bool = False
 
-    def rows(self, refs, interpret: bool):
+    def rows(self, refs, interpret: bool, n_rows: int | None = None):
         """(the program's rows of x, the weights' refs, the output ref ``[1, rows, BN]``) from the
-        kernel's refs: x's inputs, the weights', the output, and for float x three scratch outputs."""
+        kernel's refs: x's inputs, the weights', the output, and for float x three scratch outputs.
+        ``n_rows``: rows of x a program reads, where the output ref is not its block (default:
+        the output block's rows)."""
         if self.rounded:
             *ins, out = refs
-            return _Rows(*ins[:3], out.shape[1]), ins[3:], out
+            return _Rows(*ins[:3], n_rows or out.shape[1]), ins[3:], out
         *ins, out, words, meta = refs
-        n = out.shape[1]
+        n = n_rows or out.shape[1]
         if self.eps is not None:
             src, ins = _NormedRows(ins[0], ins[1], self.eps, n), ins[2:]
         elif self.swiglu:  # [1, 2K/32, 32] (partials: [S, 1, 2K/32, 32]): up starts K/32 blocks in
@@ -453,18 +455,38 @@ _ALL_ROWS = lambda *g: 0  # dense: every program reads all B rows  # noqa: E731
 _PAIR_ROW = lambda s, p, i: p  # MoE: program (s, p, i) reads pair p's row  # noqa: E731
 
 
-def _dense_kernel(*refs, source: _XSource, qtype, per_program: int, interpret: bool):
-    xs, w_refs, o_ref = source.rows(refs, interpret)  # o_ref [1, B, BN]
+def _dense_kernel(*refs, source: _XSource, qtype, bn: int, per_program: int, interpret: bool, combine: bool = False):
+    # combine: refs start with the residual x [B, N] and the tickets' input, and end with the
+    # sum's output [B, N] and the tickets; y is whole
+    if combine:
+        (res_ref, _), refs, (out_ref, tk_ref) = refs[:2], refs[2:-2], refs[-2:]
+    n_rows = res_ref.shape[0] if combine else None
+    xs, w_refs, o_ref = source.rows(refs, interpret, n_rows)  # o_ref [1, B, BN] (combine: [S, B, N])
+    s, i = pl.program_id(0), pl.program_id(1)
+    cols = pl.ds(pl.multiple_of(i * bn, bn), bn)
 
     def store(r, y):
-        o_ref[0, r, :] = y
+        if combine:
+            o_ref[pl.ds(s, 1), pl.ds(r, 1), cols] = y[None, None, :]
+        else:
+            o_ref[0, r, :] = y
 
-    _body(xs, w_refs, store, qtype=qtype, bn=o_ref.shape[2], per_program=per_program, interpret=interpret)
+    _body(xs, w_refs, store, qtype=qtype, bn=bn, per_program=per_program, interpret=interpret)
+    if not combine:
+        return
+
+    @when_last(tk_ref, i, pl.num_programs(0), interpret)
+    def _():  # the row tile's split-K partials added in order, then x
+        for r in range(xs.n):
+            y = read_shared(o_ref.at[pl.ds(0, 1), pl.ds(r, 1), cols])  # [1, 1, BN]
+            for t in range(1, o_ref.shape[0]):
+                y = y + read_shared(o_ref.at[pl.ds(t, 1), pl.ds(r, 1), cols])
+            out_ref[pl.ds(r, 1), cols] = res_ref[pl.ds(r, 1), cols] + y[0]
 
 
-@functools.partial(jax.jit, static_argnames=("config", "round_first", "partials", "interpret"))
+@functools.partial(jax.jit, static_argnames=("config", "round_first", "interpret"))
 def qgemv_q8(x, w: PackedWeight, *, config: GemvConfig | None = None, round_first: bool | None = None,
-             partials: bool = False, interpret: bool = False) -> jax.Array:
+             combine: tuple | None = None, interpret: bool = False):
     """``x @ W^T`` for up to 8 activation rows on integer dot products, float32.
 
     Args:
@@ -477,11 +499,12 @@ def qgemv_q8(x, w: PackedWeight, *, config: GemvConfig | None = None, round_firs
       round_first: for float x, round it with ``quantize_q8_1`` before the launch (True) or in
         every program (False); None: first where the launch has more than
         ``ROUND_FIRST_PROGRAMS`` programs. The output is the same either way.
-      partials: return the launch's split-K partial sums ``[S, B, N]`` (added in order s = 0, 1,
-        ... where the next launch reads them), not their sum.
+      combine: ``(x_res [B, N], tickets)`` (``tickets.new_tickets``): return ``x_res`` plus the
+        product (its partials added in order, then x_res), made by the last program of each row
+        tile, and the tickets back at 0: a residual add with no launch of its own.
       interpret: Pallas interpreter with the dp4a emulation (CPU tests).
     Returns:
-      float32 ``[B, N]`` (``[S, B, N]`` with ``partials``).
+      float32 ``[B, N]``; with ``combine``, ``(x_res + y, tickets)``.
     """
     qtype = _check(w, 2, "qgemv_q8")
     n, k = w.shape
@@ -497,13 +520,27 @@ def qgemv_q8(x, w: PackedWeight, *, config: GemvConfig | None = None, round_firs
     bn, per_program, split = _launch(qtype, n, k, cfg)
     arrays, specs = _weight_operands(w, bn)  # the planes kernel's fields and specs: same order, same grid
     xo = _x_operands(x, "qgemv_q8", k, rows, _ALL_ROWS)
-    y = _call(
-        functools.partial(_dense_kernel, source=xo.source, qtype=qtype, per_program=per_program, interpret=interpret),
-        xo, y=jax.ShapeDtypeStruct((split, rows, n), F32), y_spec=pl.BlockSpec((1, rows, bn), lambda s, i: (s, 0, i)),
-        grid=(split, n // bn), w_specs=specs, interpret=interpret, name=f"qgemv_q8_{qtype.name.lower()}",
-        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-    )((), arrays)
-    return y if partials else add_partials(y)
+    kw = dict(y=jax.ShapeDtypeStruct((split, rows, n), F32), y_spec=pl.BlockSpec((1, rows, bn), lambda s, i: (s, 0, i)),
+              grid=(split, n // bn), w_specs=specs, interpret=interpret, name=f"qgemv_q8_{qtype.name.lower()}",
+              compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    lead = []
+    if combine is not None:
+        res, tickets = combine
+        if res.shape != (rows, n) or tickets.shape != (TICKETS,) or n // bn > TICKETS:
+            raise ValueError(f"qgemv_q8: combine needs x_res [{rows}, {n}] and tickets [{TICKETS}], got "
+                             f"{res.shape} and {tickets.shape}")
+        lead = [res.astype(F32), tickets]
+        kw.update(lead_specs=[_whole(rows, n), _whole(TICKETS)], y_spec=_whole(split, rows, n),
+                  tail=[jax.ShapeDtypeStruct((rows, n), F32), jax.ShapeDtypeStruct((TICKETS,), jnp.int32)],
+                  tail_specs=[_whole(rows, n), _whole(TICKETS)], aliases={1: 1})
+    y = _call(functools.partial(_dense_kernel, source=xo.source, qtype=qtype, bn=bn, per_program=per_program,
+                                interpret=interpret, combine=combine is not None), xo, **kw)(lead, arrays)
+    return (y[1], y[2]) if combine is not None else add_partials(y)
+
+
+def _whole(*shape) -> pl.BlockSpec:
+    """Every program's block: the whole array."""
+    return pl.BlockSpec(shape, lambda *g: (0,) * len(shape))
 
 
 def _moe_kernel(e_ref, *refs, source: _XSource, qtype, n_experts: int, bn: int, per_program: int, interpret: bool,
@@ -512,7 +549,7 @@ def _moe_kernel(e_ref, *refs, source: _XSource, qtype, n_experts: int, bn: int, 
     # and the tickets' input, and end with the sum's output [N, N_out] and the tickets; y is whole
     if combine:
         (pw_ref, res_ref, _), refs, (out_ref, tk_ref) = refs[:3], refs[3:-2], refs[-2:]
-    xs, w_refs, o_ref = source.rows(refs, interpret)  # o_ref [1, 1, BN] (combine: [S, P, N_out])
+    xs, w_refs, o_ref = source.rows(refs, interpret, n_rows=1)  # o_ref [1, 1, BN] (combine: [S, P, N_out])
     e = expert_index(e_ref, n_experts)
     s, p, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     cols = pl.ds(pl.multiple_of(i * bn, bn), bn)
@@ -587,11 +624,11 @@ def moe_gemv_q8(x, w: PackedWeight, experts: jax.Array, *, swiglu_halves: bool =
         if n_tok * per_token != n_pairs or res.shape != (n_tok, n) or tickets.shape != (TICKETS,) or n_tok * grid[2] > TICKETS:
             raise ValueError(f"moe_gemv_q8: combine needs weights [T, k] with T * k = {n_pairs} pairs, x [T, {n}] and "
                              f"T * {grid[2]} row tiles <= {TICKETS} tickets, got {weights.shape}, {res.shape} and {tickets.shape}")
-        whole = lambda *shape: pl.BlockSpec(shape, lambda *g: (0,) * len(shape))  # noqa: E731
         lead += [weights.astype(F32).reshape(n_pairs), res.astype(F32), tickets]
-        lead_specs += [whole(n_pairs), whole(n_tok, n), whole(TICKETS)]
-        kw.update(y_spec=whole(split, n_pairs, n), tail=[jax.ShapeDtypeStruct((n_tok, n), F32), jax.ShapeDtypeStruct((TICKETS,), jnp.int32)],
-                  tail_specs=[whole(n_tok, n), whole(TICKETS)], aliases={3: 1})
+        lead_specs += [_whole(n_pairs), _whole(n_tok, n), _whole(TICKETS)]
+        kw.update(y_spec=_whole(split, n_pairs, n), tail=[jax.ShapeDtypeStruct((n_tok, n), F32),
+                                                          jax.ShapeDtypeStruct((TICKETS,), jnp.int32)],
+                  tail_specs=[_whole(n_tok, n), _whole(TICKETS)], aliases={3: 1})
     out = _call(functools.partial(_moe_kernel, source=xo.source, qtype=qtype, n_experts=n_exp, bn=bn,
                                   per_program=per_program, interpret=interpret, combine=per_token), xo, lead_specs=lead_specs, **kw)(lead, arrays)
     if combine is None:

@@ -43,8 +43,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from ..ops.actquant import Q8Act
 from ..ops.routing import WEIGHT_SUM_MIN
-from .qgemv import _NormedRows, row_index
-from .qgemv_q8 import _SummedRows, round_blocks
+from .qgemv import _NormedRows
+from .qgemv_q8 import round_blocks
 from .tickets import TICKETS, read_shared, when_last
 
 F32 = jnp.float32
@@ -54,9 +54,8 @@ LOGITS_MAX_ROWS = 8  # rows of x router_logits unrolls (a decode step's tokens)
 LOGITS_BLOCK_E, LOGITS_WARPS = 4, 4
 LOGITS_CHUNK = 256  # router_logits walks D in chunks of at most this many columns
 ROUND_BLOCKS = 64  # Q8_1 blocks a rounding program of router_logits(..., rounded=True) rounds at most
-PARTS_MAX_ROWS = 8  # rows of partial sums router_logits(..., parts=) adds to x (each program reads them all)
-__all__ = ["CardRoute", "RouterOut", "route_topk", "router_logits", "router_logits_adds",
-           "router_logits_rounds", "router_logits_routes", "router_logits_serves"]
+__all__ = ["CardRoute", "RouterOut", "route_topk", "router_logits", "router_logits_rounds", "router_logits_routes",
+           "router_logits_serves"]
 
 
 class CardRoute(NamedTuple):
@@ -199,15 +198,9 @@ def router_logits_serves(n_rows: int, w) -> bool:
 
 
 def router_logits_rounds(x_shape: tuple, w) -> bool:
-    """``router_logits(..., rounded=True)`` takes x of this shape and this router weight (and
-    ``parts`` of as many rows as ``router_logits_adds`` allows): rows of whole Q8_1 blocks."""
+    """``router_logits(..., rounded=True)`` takes x of this shape and this router weight: rows of
+    whole Q8_1 blocks."""
     return router_logits_serves(x_shape[0], w) and w.shape[1] % 32 == 0
-
-
-def router_logits_adds(x_shape: tuple, n_parts: int, w) -> bool:
-    """``router_logits(x, ..., parts=[n_parts, N, D])`` takes these: each program re-reads the
-    parts' rows whole, so at most ``PARTS_MAX_ROWS`` of them."""
-    return router_logits_rounds(x_shape, w) and 1 <= n_parts * x_shape[0] <= PARTS_MAX_ROWS
 
 
 def router_logits_routes(n_rows: int, w, k: int) -> bool:
@@ -221,22 +214,8 @@ class RouterOut(NamedTuple):
 
     logits: jax.Array  # float32 [N, E]
     x8: Q8Act | None  # rounded: the normed rows as Q8_1 blocks
-    rows: jax.Array | None  # parts: x + sum_s parts[s], float32 [N, D] (the residual stream)
     route: tuple | None  # route_k: route_topk's (experts, weights, margin[, CardRoute])
     tickets: jax.Array | None  # route_k: the counter buffer, back at 0
-
-
-class _ResidualRows:
-    """``view[b, *idx]`` is row b of x plus split-K partials: ``parts[s, b, *idx]`` added in order
-    s = 0, 1, ..., then ``x[b, *idx]`` (a residual stream and the partial sums of the launch that
-    adds to it, read where the router forms its rows, so no launch adds them up first)."""
-
-    def __init__(self, x_ref, parts_ref):
-        self.x, self.parts, self.shape = x_ref, _SummedRows(parts_ref), x_ref.shape
-
-    def __getitem__(self, idx):
-        idx = idx if isinstance(idx, tuple) else (idx,)
-        return self.parts[idx] + self.x[(row_index(idx[0]), *idx[1:])]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,9 +223,7 @@ class _Launch:
     """What a router_logits launch holds besides x, the norm and the router (static)."""
 
     logit_programs: int
-    bpp: int  # Q8_1 blocks an extra program takes (0: no extra programs)
-    rounded: bool
-    parts: bool
+    bpp: int  # Q8_1 blocks a rounding program takes (0: rounded is off)
     k: int  # experts a token the last logit program routes to (0: none)
     n_exp: int
     placed: bool
@@ -255,25 +232,23 @@ class _Launch:
         """The kernel's refs by name (None where the launch has none)."""
         refs = list(refs)
         take = lambda on: refs.pop(0) if on else None  # noqa: E731
-        r = dict(x=take(True), norm=take(True), w=take(True), parts=take(self.parts), xb=take(self.bpp),
-                 nb=take(self.bpp), pb=take(self.bpp and self.parts), table=take(self.placed))
+        r = dict(x=take(True), norm=take(True), w=take(True), xb=take(self.bpp), nb=take(self.bpp),
+                 table=take(self.placed))
         take(self.k)  # the tickets' input: the same buffer as their output
-        r.update(logits=take(True), qs=take(self.rounded), d=take(self.rounded), sums=take(self.rounded),
-                 rows=take(self.parts))
+        r.update(logits=take(True), qs=take(self.bpp), d=take(self.bpp), sums=take(self.bpp))
         r["picks"] = [take(self.k) for _ in range(5 if self.placed else 3)] if self.k else None
         r["tickets"] = take(self.k)
         return r
 
 
 def _logits_kernel(*refs, lay: _Launch, eps: float, chunk: int, interpret: bool):
-    # x [N, D] rows of x; norm [D]; w [BE, D] router rows; parts [S, N, D]; xb [N, D/32, 32], nb
-    # [D/32, 32], pb [S, N, D/32, 32]: x, the norm and the parts as blocks; table [1, E] the
-    # layer's card slots. Out: logits [N, BE] ([N, E] with route_k); the Q8Act's qs [N, D/32, 8],
-    # d [N, D/32] and sums [N, D/32, 2]; rows [N, D/32, 32]; the _Picks' refs; the tickets [TICKETS]
+    # x [N, D] rows of x; norm [D]; w [BE, D] router rows; xb [N, D/32, 32], nb [D/32, 32]: x and
+    # the norm as blocks; table [1, E] the layer's card slots. Out: logits [N, BE] ([N, E] with
+    # route_k); the Q8Act's qs [N, D/32, 8], d [N, D/32] and sums [N, D/32, 2]; the _Picks'
+    # refs; the tickets [TICKETS]
     r = lay.unpack(refs)
     n_rows, d = r["x"].shape
-    x = r["x"] if r["parts"] is None else _ResidualRows(r["x"], r["parts"])
-    xn = _NormedRows(x, r["norm"], eps, n_rows)
+    xn = _NormedRows(r["x"], r["norm"], eps, n_rows)
     j = pl.program_id(0)
 
     def logit_program():
@@ -288,19 +263,15 @@ def _logits_kernel(*refs, lay: _Launch, eps: float, chunk: int, interpret: bool)
         return
     pl.when(j < lay.logit_programs)(logit_program)
 
-    @pl.when(j >= lay.logit_programs)  # the programs after the logits' write the rows' blocks beside them
+    @pl.when(j >= lay.logit_programs)  # the programs after the logits' round the normed rows beside them
     def _():
         blocks = pl.ds(pl.multiple_of((j - lay.logit_programs) * lay.bpp, lay.bpp), lay.bpp)
-        xb = r["xb"] if r["pb"] is None else _ResidualRows(r["xb"], r["pb"])
+        half = jax.lax.broadcasted_iota(jnp.int32, (lay.bpp, 2), 1)
         for b in range(n_rows):
-            if r["rows"] is not None:
-                r["rows"][b, blocks, :] = xb[b, blocks, :]
-            if lay.rounded:
-                half = jax.lax.broadcasted_iota(jnp.int32, (lay.bpp, 2), 1)
-                q = round_blocks(xn.on(xb, r["nb"]), b, blocks, interpret)
-                r["qs"][b, blocks, :] = q.words
-                r["d"][b, blocks] = jnp.max(q.d, axis=1)  # [bpp]: the same value in each of a block's words
-                r["sums"][b, blocks, :] = jnp.where(half == 0, q.lo, q.hi)
+            q = round_blocks(xn.on(r["xb"], r["nb"]), b, blocks, interpret)
+            r["qs"][b, blocks, :] = q.words
+            r["d"][b, blocks] = jnp.max(q.d, axis=1)  # [bpp]: the same value in each of a block's words
+            r["sums"][b, blocks, :] = jnp.where(half == 0, q.lo, q.hi)
 
 
 def _logits(xn, w_ref, o_ref, cols, n_rows: int, d: int, chunk: int) -> None:
@@ -332,8 +303,8 @@ def _route_when_last(r, lay: _Launch, n_rows: int, interpret: bool) -> None:
 
 @functools.partial(jax.jit, static_argnames=("eps", "route_k", "layer", "block_e", "num_warps", "chunk", "rounded",
                                              "interpret"))
-def router_logits(x: jax.Array, norm: jax.Array, eps: float, w: jax.Array, *, parts: jax.Array | None = None,
-                  rounded: bool = False, route_k: int = 0, slot_table: jax.Array | None = None, layer: int = 0,
+def router_logits(x: jax.Array, norm: jax.Array, eps: float, w: jax.Array, *, rounded: bool = False,
+                  route_k: int = 0, slot_table: jax.Array | None = None, layer: int = 0,
                   tickets: jax.Array | None = None, block_e: int = LOGITS_BLOCK_E, num_warps: int = LOGITS_WARPS,
                   chunk: int = LOGITS_CHUNK, interpret: bool = False):
     """``ops.norms.rms_norm(x, norm, eps) @ w.T`` in one launch (module docstring).
@@ -347,8 +318,6 @@ def router_logits(x: jax.Array, norm: jax.Array, eps: float, w: jax.Array, *, pa
       x: float ``[N, D]``, N <= LOGITS_MAX_ROWS.
       norm: float ``[D]``, the RMS-norm weight; eps its epsilon.
       w: float32 ``[E, D]``, the router weight (``router_logits_serves``).
-      parts: float32 ``[S, N, D]`` or None: the rows are ``sum_s parts[s] + x`` (the partial
-        sums added in order, then x), also returned (``router_logits_adds``).
       rounded: also return the normed rows as Q8_1 blocks (``router_logits_rounds`` says
         whether a shape allows it): ``ops.actquant.quantize_q8_1(rms_norm(x, norm, eps))``, up
         to the normed row's last bits (a quant where a value lies within them of a rounding half).
@@ -361,7 +330,7 @@ def router_logits(x: jax.Array, norm: jax.Array, eps: float, w: jax.Array, *, pa
       chunk: columns a loop step reads at most (D itself: the program's rows in one read).
       interpret: run with the Pallas interpreter (CPU tests).
     Returns:
-      float32 ``[N, E]``; with ``parts``, ``rounded`` or ``route_k`` a :class:`RouterOut`.
+      float32 ``[N, E]``; with ``rounded`` or ``route_k`` a :class:`RouterOut`.
     """
     if x.ndim != 2 or not router_logits_serves(x.shape[0], w) or w.shape[1] != x.shape[1] or norm.shape != (x.shape[1],):
         raise ValueError(f"router_logits: needs x [N<={LOGITS_MAX_ROWS}, D], norm [D] and a float32 router "
@@ -370,12 +339,8 @@ def router_logits(x: jax.Array, norm: jax.Array, eps: float, w: jax.Array, *, pa
     n_exp = w.shape[0]
     while n_exp % block_e:
         block_e //= 2
-    if (rounded or parts is not None) and not router_logits_rounds(x.shape, w):  # serves() held above
+    if rounded and not router_logits_rounds(x.shape, w):  # serves() held above
         raise ValueError(f"router_logits: rows of {d} are not Q8_1 blocks of 32 (router_logits_rounds)")
-    if parts is not None and not (parts.ndim == 3 and parts.shape[1:] == x.shape
-                                  and router_logits_adds(x.shape, parts.shape[0], w)):
-        raise ValueError(f"router_logits: parts must be [S, {n_rows}, {d}] with S * {n_rows} <= {PARTS_MAX_ROWS} "
-                         f"(router_logits_adds), got {parts.shape}")
     placed = slot_table is not None
     if route_k and not (router_logits_routes(n_rows, w, route_k) and tickets is not None and tickets.shape == (TICKETS,)):
         raise ValueError(f"router_logits: routing to {route_k} of {n_exp} experts needs E a power of two, "
@@ -386,22 +351,16 @@ def router_logits(x: jax.Array, norm: jax.Array, eps: float, w: jax.Array, *, pa
                          f"got {slot_table.shape}, layer {layer}, route_k {route_k}")
     programs = n_exp // block_e
     nb = d // 32
-    bpp = min(nb & -nb, ROUND_BLOCKS) if rounded or parts is not None else 0  # a power of two dividing the blocks
-    lay = _Launch(programs, bpp, rounded, parts is not None, route_k, n_exp, placed)
-    last = programs - 1  # the extra programs' (unused) router and logit blocks
+    bpp = min(nb & -nb, ROUND_BLOCKS) if rounded else 0  # a power of two dividing the blocks
+    lay = _Launch(programs, bpp, route_k, n_exp, placed)
+    last = programs - 1  # the rounding programs' (unused) router and logit blocks
     whole = lambda *shape: pl.BlockSpec(shape, lambda j: (0,) * len(shape))  # noqa: E731
     x32, n32 = x.astype(F32), norm.astype(F32)
     operands = [x32, n32, w]
     in_specs = [whole(n_rows, d), whole(d), pl.BlockSpec((block_e, d), lambda j: (jnp.minimum(j, last), 0))]
-    if lay.parts:
-        operands.append(parts.astype(F32))
-        in_specs.append(whole(*parts.shape))
-    if bpp:  # x, the norm and the parts again as [D/32, 32] blocks, which the extra programs take in turn
+    if bpp:  # x and the norm again as [D/32, 32] blocks, which the rounding programs take in turn
         operands += [x32.reshape(n_rows, nb, 32), n32.reshape(nb, 32)]
         in_specs += [whole(n_rows, nb, 32), whole(nb, 32)]
-        if lay.parts:
-            operands.append(operands[3].reshape(parts.shape[0], n_rows, nb, 32))
-            in_specs.append(whole(parts.shape[0], n_rows, nb, 32))
     if placed:  # the whole table goes in; one row is read
         operands.append(slot_table.astype(jnp.int32))
         in_specs.append(pl.BlockSpec((1, n_exp), lambda j: (layer, 0)))
@@ -412,13 +371,10 @@ def router_logits(x: jax.Array, norm: jax.Array, eps: float, w: jax.Array, *, pa
         in_specs.append(whole(TICKETS))
     out_shape = [jax.ShapeDtypeStruct((n_rows, n_exp), F32)]
     out_specs = [whole(n_rows, n_exp) if route_k else pl.BlockSpec((n_rows, block_e), lambda j: (0, jnp.minimum(j, last)))]
-    if rounded:  # each extra program writes its blocks of the whole Q8Act
+    if rounded:  # each rounding program writes its blocks of the whole Q8Act
         out_shape += [jax.ShapeDtypeStruct((n_rows, nb, 8), jnp.int32), jax.ShapeDtypeStruct((n_rows, nb), F32),
                       jax.ShapeDtypeStruct((n_rows, nb, 2), jnp.int32)]
         out_specs += [whole(n_rows, nb, 8), whole(n_rows, nb), whole(n_rows, nb, 2)]
-    if lay.parts:
-        out_shape.append(jax.ShapeDtypeStruct((n_rows, nb, 32), F32))
-        out_specs.append(whole(n_rows, nb, 32))
     if route_k:
         kp = _pow2(route_k)
         picks = [(jnp.int32, (n_rows, kp)), (F32, (n_rows, kp)), (F32, (n_rows,))]
@@ -437,15 +393,14 @@ def router_logits(x: jax.Array, norm: jax.Array, eps: float, w: jax.Array, *, pa
         interpret=interpret,
         name="router_logits",
     )(*operands)
-    if not (rounded or lay.parts or route_k):
+    if not (rounded or route_k):
         return out[0]
     out = list(out)
     logits = out.pop(0)
     x8 = Q8Act(out.pop(0).reshape(n_rows, d // 4), out.pop(0), out.pop(0).reshape(n_rows, d // 16)) if rounded else None
-    rows = out.pop(0).reshape(n_rows, d) if lay.parts else None
     route, new = None, None
     if route_k:
         experts, weights, margin = out[0][:, :route_k], out[1][:, :route_k], out[2]
         route = (experts, weights, margin) + ((CardRoute(out[3][:, :route_k], out[4][:, :route_k]),) if placed else ())
         new = out[-1]
-    return RouterOut(logits, x8, rows, route, new)
+    return RouterOut(logits, x8, route, new)
