@@ -20,7 +20,7 @@ CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file
 KERNELS = ("reference", "pallas", "pallas-tf32", "pallas-qtiles", "pallas-bf16", "pallas-q8", "pallas-q8-bf16", "auto")  # auto: pallas-q8-bf16 on a GPU (models.loader.resolve_kernels)
 KV_DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION = ("xla", "pallas", "auto")  # attention; auto: pallas on a GPU where the model has it (load_model)
-ROUTING = ("xla", "pallas", "pallas-split", "auto")  # MoE routing; auto: as attention
+ROUTING = ("xla", "pallas", "pallas-tickets", "auto")  # MoE routing; auto: as attention
 BRIDGES = ("callback", "ffi", "auto")  # the host-expert bridge; auto: ffi on a GPU (models.loader.resolve_bridge)
 WEIGHT_FORMS = ("blocks", "f32", "auto")  # card weights (models.loader.load_model)
 
@@ -37,8 +37,8 @@ class RuntimeSettings:
     weights: str = "auto"  # card weights: blocks | f32 | auto (models.loader.load_model)
     attention: str = "auto"  # xla (jnp) | pallas (kernels on the cache buffer) | auto (pallas on a GPU)
     bridge: str = "auto"  # host experts: callback (jax.pure_callback) | ffi (XLA FFI custom call) | auto
-    # MoE routing: xla (jnp softmax + top-k) | pallas (one kernel; at decode in the router's launch) |
-    # pallas-split (a kernel of its own at decode too) | auto (pallas on a GPU)
+    # MoE routing: xla (jnp softmax + top-k) | pallas (one kernel) | pallas-tickets (at decode in the
+    # router's launch, and o and down add x: pallas.tickets; not yet measured on a card) | auto (pallas on a GPU)
     routing: str = "auto"
     decode_block: int = 0  # decode steps per device call while only generating; 0: 8 on a GPU, else 1
 

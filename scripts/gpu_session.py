@@ -313,7 +313,7 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=None, help="the big model with this many layers (default 48)")
     p.add_argument("--kernels", default="auto", help="bench --kernels (reference | pallas | pallas-tf32 | pallas-qtiles | pallas-bf16 | pallas-q8 | auto)")
     p.add_argument("--attention", default="xla", choices=("xla", "pallas"), help="bench --attention (default xla)")
-    p.add_argument("--routing", default="xla", choices=("xla", "pallas", "pallas-split"), help="bench --routing (default xla)")
+    p.add_argument("--routing", default="xla", choices=("xla", "pallas", "pallas-tickets"), help="bench --routing (default xla)")
     p.add_argument("--bridge", default="callback", choices=("callback", "ffi"), help="bench --bridge (default callback)")
     p.add_argument("--signal", default=None, choices=("hostfunc", "doorbell"),
                    help="the FFI bridge's signal for bench (BLOOMERY_FFI_SIGNAL; default: bench's own)")

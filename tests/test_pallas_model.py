@@ -206,13 +206,16 @@ def assert_q8_close(got, ref):
     np.testing.assert_array_equal(got.argmax(-1), ref.argmax(-1))
 
 
-@pytest.mark.parametrize("kernels,n_tokens,ubatch", [("pallas-q8", 32, 16), ("pallas-q8", 10, 1), ("pallas-q8-bf16", 10, 1)],
-                         ids=["prefill", "decode", "decode-q8-bf16"])
-def test_q8_kernels_match_reference_with_cuda_rounding(q4km, kernels, n_tokens, ubatch):
+@pytest.mark.parametrize("kernels,n_tokens,ubatch,routing", [("pallas-q8", 32, 16, "xla"), ("pallas-q8", 10, 1, "xla"),
+                                                             ("pallas-q8-bf16", 10, 1, "pallas"),
+                                                             ("pallas-q8-bf16", 10, 1, "pallas-tickets")],
+                         ids=["prefill", "decode", "decode-q8-bf16", "decode-q8-bf16-tickets"])
+def test_q8_kernels_match_reference_with_cuda_rounding(q4km, kernels, n_tokens, ubatch, routing):
     """pallas-q8-bf16 decodes as pallas-q8 does (it prefills as pallas-bf16 does:
     test_bf16_prefill_is_nearer_exact_than_llamacpp_arithmetic); routed as on a GPU, its gate/up
-    launches read the normed x that the router's launch rounded."""
-    model = load_model(q4km, kernels=kernels, routing="pallas" if kernels == "pallas-q8-bf16" else "xla")
+    launches read the normed x that the router's launch rounded; with routing pallas-tickets the
+    router's launch also routes, and o and down add the residual in their last programs."""
+    model = load_model(q4km, kernels=kernels, routing=routing)
     assert model.params["blk.1.attn_q.weight"].layout == "ggml"
     if kernels == "pallas-q8":
         assert model.cfg.act_rounding == "ggml-cuda" and model.cfg.prefill_precision == "q-int8"  # int8 tiles
@@ -227,14 +230,16 @@ def test_q8_kernels_match_reference_with_cuda_rounding(q4km, kernels, n_tokens, 
     assert np.abs(exact - ref).max() > 10 * TOL * ref.std()
 
 
-def test_q8_bf16_decode_beside_host_experts(q4km):
+@pytest.mark.parametrize("routing", ["pallas", "pallas-tickets"])
+def test_q8_bf16_decode_beside_host_experts(q4km, routing):
     """pallas-q8-bf16 (the GPU's default kernels) with layer 0's experts on the host: layer 1's q8
     launches take their card slots from the placement, layer 0's experts run on the host (f32
     activations: their own rounding is tests/test_hybrid.py's), against the reference with the same
     placement and the llama.cpp CUDA rounding of the card's products; tolerances as above. Routed
-    as on a GPU: layer 1's gate/up read the router's rounded x, the host the float x."""
+    as on a GPU: layer 1's gate/up read the router's rounded x, the host the float x (pallas-tickets:
+    down adds x and the card's rows, the host's rows are added after)."""
     ids = tokens(10, seed=4)
-    model = load_model(q4km, kernels="pallas-q8-bf16", place="n-cpu-moe=1", host_act="f32", routing="pallas")
+    model = load_model(q4km, kernels="pallas-q8-bf16", place="n-cpu-moe=1", host_act="f32", routing=routing)
     assert model.params["blk.0.ffn_gate_exps.weight"].shape[0] == 0
     ref = sequence_logits(load_model(q4km, kernels="reference", place="n-cpu-moe=1", host_act="f32"), ids, ubatch=1,
                           act_rounding="ggml-cuda")
@@ -275,13 +280,12 @@ def test_decode_step_lowers_to_triton_for_h200(q4km, monkeypatch):
     model = load_model(q4km, kernels="pallas", attention="pallas", routing="pallas")
     built = step_kernels(model, monkeypatch, jnp.zeros((1, 1), jnp.int32), jnp.full((1, 1), 5, jnp.int32))
     names = {name for name, _, _ in built}
-    assert {"qgemv_many", "decode_qk_prep", "decode_attention", "router_logits", "moe_gemv_many"} <= names, names
-    assert "route_topk" not in names, names  # the router's launch routes
+    assert {"qgemv_many", "decode_qk_prep", "decode_attention", "router_logits", "route_topk", "moe_gemv_many"} <= names, names
     assert all(cc == 90 and ok for _, cc, ok in built)
-    # a 16-token prefill step: flash attention from the cache, the grouped expert GEMM, the top-k a launch of its own
+    # a 16-token prefill step: flash attention from the cache, the grouped expert GEMM
     built = step_kernels(model, monkeypatch, jnp.zeros((1, 16), jnp.int32), jnp.arange(16, dtype=jnp.int32)[None])
     names = {name for name, _, _ in built}
-    assert "prefill_attention" in names and "route_topk" in names and any(n.startswith("moe_gemm") for n in names), names
+    assert "prefill_attention" in names and any(n.startswith("moe_gemm") for n in names), names
     assert all(cc == 90 and ok for _, cc, ok in built)
 
 
@@ -307,6 +311,21 @@ def test_q8_decode_step_lowers_to_triton_for_h200(q4km, monkeypatch):
     assert {"qgemv_q8_many", "decode_qk_prep", "moe_gemv_q8_many"} <= names, names
     assert any(n.startswith("moe_gemv_q8_q") for n in names) and any(n.startswith("qgemv_q8_q") for n in names), names
     assert not any(n in ("qgemv_many", "moe_gemv_many") or n.startswith(("moe_gemv_q4", "moe_gemv_q6")) for n in names)
+    assert all(cc == 90 and ok for _, cc, ok in built)
+
+
+@pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
+def test_tickets_decode_step_lowers_to_triton_for_h200(q4km, monkeypatch):
+    """routing=pallas-tickets' one-token step of the GPU's kernels for an H200: the router's launch
+    routes (no route_topk launch), o and down add the residual in their last programs, every
+    kernel a verified Triton module."""
+    import jax.numpy as jnp
+
+    model = load_model(q4km, kernels="pallas-q8-bf16", attention="pallas", routing="pallas-tickets")
+    built = step_kernels(model, monkeypatch, jnp.zeros((1, 1), jnp.int32), jnp.full((1, 1), 5, jnp.int32))
+    names = {name for name, _, _ in built}
+    assert {"router_logits", "moe_gemv_q8_many", "decode_attention"} <= names and "route_topk" not in names, names
+    assert any(n.startswith("moe_gemv_q8_q") for n in names) and any(n.startswith("qgemv_q8_q") for n in names), names
     assert all(cc == 90 and ok for _, cc, ok in built)
 
 
@@ -338,7 +357,7 @@ def test_decode_block_lowers_graph_ready_for_h200(q4km, monkeypatch):
             jnp.ones(rows, bool))
     built = triton_kernels(monkeypatch, block, *args)
     names = {name for name, _, _ in built}
-    assert {"qgemv_many", "decode_qk_prep", "decode_attention", "router_logits", "moe_gemv_many"} <= names, names
+    assert {"qgemv_many", "decode_qk_prep", "decode_attention", "router_logits", "route_topk", "moe_gemv_many"} <= names, names
     assert all(cc == 90 and ok for _, cc, ok in built)
     text = lowered_for_h200(block, *args)
     assert text.count("stablehlo.while") == 1  # the scan itself

@@ -115,8 +115,8 @@ def load_model(path: str | os.PathLike, *, device=None, place="card", reserve_by
         same results bit for bit; ConfigError where its library cannot be built) or "auto"
         (``resolve_bridge``).
       routing: "xla" (``ops.routing``, jnp), "pallas" (``pallas.route_topk``: softmax and top-k
-        in one kernel; at decode inside the router's launch) or "pallas-split" (a launch of its
-        own at decode too). ConfigError for an architecture without it; "auto" as for attention.
+        in one kernel) or "pallas-tickets" (as pallas, but at decode with the ticket epilogues of
+        ``pallas.tickets``). ConfigError for an architecture without it; "auto" as for attention.
     Returns:
       the Model.
     """

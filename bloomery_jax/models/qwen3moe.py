@@ -70,9 +70,10 @@ class Config:
     # (models.loader's attention=); "xla" is ops.attention's jnp.
     attention: str = "xla"
     # Not from the file: "pallas" routes with pallas.route_topk (softmax and top-k in one kernel;
-    # models.loader's routing=), in a decode step inside the router's launch
-    # (pallas.route.router_logits' route_k); "pallas-split" keeps the top-k a launch of its own;
-    # "xla" is ops.routing's jnp.
+    # models.loader's routing=); "pallas-tickets" likewise, but a decode step routes in the
+    # router's launch (pallas.route.router_logits' route_k) and its o and down launches add the
+    # residual (their combine=), each in a launch's last program (pallas.tickets); "xla" is
+    # ops.routing's jnp.
     routing: str = "xla"
 
     @property
@@ -281,12 +282,13 @@ def _attention_block(params, cfg: Config, i: int, x, cos, sin, positions, cache:
 def _router(cfg: Config, x, norm, router_f32, gate, placement, i: int, tickets):
     """A decode step's router launch (``pallas.route.router_logits``): the norm, the router
     product, and as far as the shapes allow the rounding of the normed x for the integer-dot
-    experts (x8) and, for routing "pallas", the top-k (with the placement's card slots).
+    experts (x8) and, with tickets (routing "pallas-tickets"), the top-k (with the placement's
+    card slots).
     Returns (x8, logits, route or None, tickets)."""
     B, T, D = x.shape
     N, k = B * T, cfg.n_experts_used
     rounded = takes_rounded_x(gate, N, k, cfg.act_rounding) and router_logits_rounds((N, D), router_f32)
-    route_k = k if cfg.routing == "pallas" and tickets is not None and router_logits_routes(N, router_f32, k) else 0
+    route_k = k if tickets is not None and router_logits_routes(N, router_f32, k) else 0
     table = {} if placement is None or not route_k else dict(slot_table=placement.slot_of, layer=i)
     out = router_logits_kernel(x.reshape(N, D), *norm, router_f32, rounded=rounded, route_k=route_k,
                                tickets=tickets if route_k else None, **table, interpret=interpret_kernels())
@@ -362,7 +364,8 @@ def forward(params, cfg: Config, tokens, positions, cache: KVCache, placement=No
     mask = cache.mask(positions)  # [B, T, S]
     x = take_rows(params["token_embd.weight"], tokens)  # [B, T, D]
     routes = []
-    tickets = new_tickets()  # counters of the decode launches' last programs, one buffer for every layer (unused: dropped)
+    # the counters of the decode launches' last programs, one buffer for every layer
+    tickets = new_tickets() if cfg.routing == "pallas-tickets" else None
     for i in range(cfg.n_layers):  # a Python loop: tensor types may differ between layers
         x, cache, tickets = _attention_block(params, cfg, i, x, cos, sin, positions, cache, mask, tickets)
         x, route, tickets = _moe_block(params, cfg, i, x, placement, tickets)

@@ -28,6 +28,10 @@ benchmarks/gpu_2026-12-05-s16/trace). Program j forms the normed rows of x itsel
 Q8_1 blocks (``ops.actquant.Q8Act``, what the experts' integer-dot gate/up launch reads) in
 programs of their own after the logits' (up to ``ROUND_BLOCKS`` blocks each), which run beside
 them: the gate/up launch would norm and round them again in each of its hundreds of programs.
+With ``route_k`` the logit program that finishes last (``pallas.tickets``) also routes every
+row as ``route_topk`` does (the same code on the logits the launch stored), so a decode step has
+no top-k launch: the same experts, slots and margins; weights to a few ulps, its softmax's sums
+running over the launch's warps.
 """
 
 from __future__ import annotations
