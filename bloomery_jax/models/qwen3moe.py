@@ -22,10 +22,9 @@ from ..ops.qmatmul import as_f32, interpret_kernels, qmatmul, qmatmul_add, qmatm
 from ..ops.rope import RopeConfig, apply_rope, rope_cos_sin
 from ..ops.routing import route_topk
 from ..pallas import attn_prep
-from ..pallas.route import RouterOut, router_logits_rounds, router_logits_routes
+from ..pallas.route import RouterOut, router_logits_rounds, router_logits_routes, router_logits_serves
 from ..pallas.route import route_topk as fused_route_topk
 from ..pallas.route import router_logits as router_logits_kernel
-from ..pallas.route import router_logits_serves
 from ..pallas.tickets import new_tickets
 from .kv_cache import KVCache
 from .spec import TensorSpec, attention_specs, embedding_specs
@@ -283,8 +282,7 @@ def _router(cfg: Config, x, norm, router_f32, gate, placement, i: int, tickets):
     """A decode step's router launch (``pallas.route.router_logits``): the norm, the router
     product, and as far as the shapes allow the rounding of the normed x for the integer-dot
     experts (x8) and, with tickets (routing "pallas-tickets"), the top-k (with the placement's
-    card slots).
-    Returns (x8, logits, route or None, tickets)."""
+    card slots). Returns (x8, logits, route or None, tickets)."""
     B, T, D = x.shape
     N, k = B * T, cfg.n_experts_used
     rounded = takes_rounded_x(gate, N, k, cfg.act_rounding) and router_logits_rounds((N, D), router_f32)
