@@ -395,7 +395,7 @@ def test_swiglu_halves_from_split_partials():
 
 
 @pytest.mark.parametrize("tokens, k, split", [(1, 8, 2), (2, 3, 1), (3, 2, 3)])
-def test_combine_adds_the_weighted_pairs_to_x(tokens, k, split):
+def test_combine_adds_the_weighted_pairs_to_x(tokens, k, split, monkeypatch):
     """moe_gemv_q8(..., combine=(weights, x, tickets)): the last program of each token's row tile
     returns x + sum_j weights[:, j] * y[pair j]. Against float64 on the rounded activations:
     each pair's y within the kernel's bound (module docstring), weighted, plus one rounding
@@ -403,8 +403,12 @@ def test_combine_adds_the_weighted_pairs_to_x(tokens, k, split):
     |x| + sum_j w_j |y_j|. (Not against the plain launch's rows: the interpreter compiles each
     kernel body whole, and the two bodies' float products may round differently.) Weights
     taken in the wrong order fail that bound; the tickets come back at 0, and a second
-    launch on them combines again."""
+    launch on them combines again. Each program reads its pair's one row of x (the interpreter
+    would clamp reads of more rows to the same values, so the count is checked itself: the
+    thirty-first session's first form read eight)."""
     from bloomery_jax.pallas.tickets import new_tickets
+
+    rows_read = _spy_rows_read(monkeypatch)
 
     rng = np.random.default_rng(tokens * 10 + k)
     e, n, kk = 4, 64, 512
@@ -430,6 +434,7 @@ def test_combine_adds_the_weighted_pairs_to_x(tokens, k, split):
         got, tickets = moe_gemv_q8(h, pw, experts, config=cfg, combine=(weights, x, tickets), interpret=True)
         assert got.shape == (tokens, n) and not np.asarray(tickets).any()
         assert (np.abs(np.asarray(got, np.float64) - (x64 + np.einsum("tk,tkn->tn", w, y))) <= bound).all()
+    assert rows_read == {1}, rows_read
     wrong = x64 + np.einsum("tk,tkn->tn", w[:, ::-1], y)
     assert not (np.abs(np.asarray(got, np.float64) - wrong) <= bound).all()
     with pytest.raises(ValueError, match="combine needs"):
@@ -437,12 +442,15 @@ def test_combine_adds_the_weighted_pairs_to_x(tokens, k, split):
 
 
 @pytest.mark.parametrize("rows, split", [(1, 4), (3, 1)])
-def test_dense_combine_adds_x(rows, split):
+def test_dense_combine_adds_x(rows, split, monkeypatch):
     """qgemv_q8(..., combine=(x_res, tickets)): the last program of each row tile returns x_res
     plus the product. Against float64 on the rounded activations: the product within the
     kernel's bound, plus one rounding of the add (2^-24 of |x_res| + |y|); x_res left out fails
-    it; the tickets come back at 0, and a second launch on them adds again."""
+    it; the tickets come back at 0, and a second launch on them adds again; each program reads
+    all the rows of x."""
     from bloomery_jax.pallas.tickets import new_tickets
+
+    rows_read = _spy_rows_read(monkeypatch)
 
     rng = np.random.default_rng(rows * 7 + split)
     n, k = 64, 1024
@@ -462,9 +470,26 @@ def test_dense_combine_adds_x(rows, split):
         got, tickets = qgemv_q8(a, pw, config=cfg, combine=(x, tickets), interpret=True)
         assert got.shape == (rows, n) and not np.asarray(tickets).any()
         assert (np.abs(np.asarray(got, np.float64) - (x64 + y)) <= bound).all()
+    assert rows_read == {rows}, rows_read
     assert not (np.abs(np.asarray(got, np.float64) - y) <= bound).all()
     with pytest.raises(ValueError, match="combine needs"):
         qgemv_q8(a, pw, config=cfg, combine=(x[:, :8], tickets), interpret=True)
+
+
+def _spy_rows_read(monkeypatch) -> set:
+    """The rows of x each traced q8 program reads (``_XSource.rows``' count), as they are traced."""
+    from bloomery_jax.pallas import qgemv_q8 as q8
+
+    seen, rows = set(), q8._XSource.rows
+
+    def spy(self, refs, interpret, n_rows=None):
+        out = rows(self, refs, interpret, n_rows)
+        seen.add(out[0].n)
+        return out
+
+    monkeypatch.setattr(q8._XSource, "rows", spy)
+    jax.clear_caches()  # a launch traced by an earlier test would skip the spy
+    return seen
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
