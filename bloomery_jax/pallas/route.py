@@ -368,9 +368,8 @@ def router_logits(x: jax.Array, norm: jax.Array, eps: float, w: jax.Array, *, ro
     if placed:  # the whole table goes in; one row is read
         operands.append(slot_table.astype(jnp.int32))
         in_specs.append(pl.BlockSpec((1, n_exp), lambda j: (layer, 0)))
-    aliases = {}
+    tickets_in = len(operands)  # with route_k: the tickets' input, aliased to the last output
     if route_k:
-        aliases[len(operands)] = None  # set below, when the tickets' output index is known
         operands.append(tickets)
         in_specs.append(whole(TICKETS))
     out_shape = [jax.ShapeDtypeStruct((n_rows, n_exp), F32)]
@@ -385,14 +384,13 @@ def router_logits(x: jax.Array, norm: jax.Array, eps: float, w: jax.Array, *, ro
         picks += [(jnp.int32, (n_rows, kp)), (F32, (n_rows, kp))] if placed else []
         out_shape += [jax.ShapeDtypeStruct(shape, dt) for dt, shape in picks] + [jax.ShapeDtypeStruct((TICKETS,), jnp.int32)]
         out_specs += [whole(*shape) for _, shape in picks] + [whole(TICKETS)]
-        aliases = {i: len(out_shape) - 1 for i in aliases}
     out = pl.pallas_call(
         functools.partial(_logits_kernel, lay=lay, eps=float(eps), chunk=_logits_chunk(d, chunk), interpret=interpret),
         out_shape=out_shape,
         grid=(programs + (nb // bpp if bpp else 0),),
         in_specs=in_specs,
         out_specs=out_specs,
-        input_output_aliases=aliases,
+        input_output_aliases={tickets_in: len(out_shape) - 1} if route_k else {},
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
         interpret=interpret,
         name="router_logits",
