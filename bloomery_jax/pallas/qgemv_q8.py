@@ -478,10 +478,22 @@ def _dense_kernel(*refs, source: _XSource, qtype, bn: int, per_program: int, int
     @when_last(tk_ref, i, pl.num_programs(0), interpret)
     def _():  # the row tile's split-K partials added in order, then x
         for r in range(xs.n):
-            y = read_shared(o_ref.at[pl.ds(0, 1), pl.ds(r, 1), cols])  # [1, 1, BN]
-            for t in range(1, o_ref.shape[0]):
-                y = y + read_shared(o_ref.at[pl.ds(t, 1), pl.ds(r, 1), cols])
-            out_ref[pl.ds(r, 1), cols] = res_ref[pl.ds(r, 1), cols] + y[0]
+            out_ref[pl.ds(r, 1), cols] = res_ref[pl.ds(r, 1), cols] + _shared_sum(o_ref, pl.ds(r, 1), cols)
+
+
+def _shared_sum(o_ref, row, cols) -> jax.Array:
+    """``[1, BN]``: row ``row`` of the launch's split-K partials ``o_ref [S, R, N]`` at ``cols``,
+    added in order s = 0, 1, ..., as the launch's programs stored them (read after the last ticket)."""
+    y = read_shared(o_ref.at[pl.ds(0, 1), row, cols])  # [1, 1, BN]
+    for t in range(1, o_ref.shape[0]):
+        y = y + read_shared(o_ref.at[pl.ds(t, 1), row, cols])
+    return y[0]
+
+
+def _combined_outputs(n_rows: int, n: int) -> dict:
+    """A combine launch's tail: the sum ``[n_rows, n]`` and the tickets, each one whole block."""
+    return dict(tail=[jax.ShapeDtypeStruct((n_rows, n), F32), jax.ShapeDtypeStruct((TICKETS,), jnp.int32)],
+                tail_specs=[_whole(n_rows, n), _whole(TICKETS)])
 
 
 @functools.partial(jax.jit, static_argnames=("config", "round_first", "interpret"))
@@ -531,8 +543,7 @@ def qgemv_q8(x, w: PackedWeight, *, config: GemvConfig | None = None, round_firs
                              f"{res.shape} and {tickets.shape}")
         lead = [res.astype(F32), tickets]
         kw.update(lead_specs=[_whole(rows, n), _whole(TICKETS)], y_spec=_whole(split, rows, n),
-                  tail=[jax.ShapeDtypeStruct((rows, n), F32), jax.ShapeDtypeStruct((TICKETS,), jnp.int32)],
-                  tail_specs=[_whole(rows, n), _whole(TICKETS)], aliases={1: 1})
+                  **_combined_outputs(rows, n), aliases={1: 1})
     y = _call(functools.partial(_dense_kernel, source=xo.source, qtype=qtype, bn=bn, per_program=per_program,
                                 interpret=interpret, combine=combine is not None), xo, **kw)(lead, arrays)
     return (y[1], y[2]) if combine is not None else add_partials(y)
@@ -571,10 +582,7 @@ def _moe_kernel(e_ref, *refs, source: _XSource, qtype, n_experts: int, bn: int, 
         acc = None
         for j in range(combine):
             pair = pl.ds(tok * combine + j, 1)
-            y = read_shared(o_ref.at[pl.ds(0, 1), pair, cols])  # [1, 1, BN]
-            for t in range(1, o_ref.shape[0]):
-                y = y + read_shared(o_ref.at[pl.ds(t, 1), pair, cols])
-            term = y[0] * pw_ref[pair][:, None]  # [1, BN]
+            term = _shared_sum(o_ref, pair, cols) * pw_ref[pair][:, None]  # [1, BN]
             acc = term if acc is None else acc + term
         out_ref[pl.ds(tok, 1), cols] = res_ref[pl.ds(tok, 1), cols] + acc
 
@@ -621,16 +629,17 @@ def moe_gemv_q8(x, w: PackedWeight, experts: jax.Array, *, swiglu_halves: bool =
     if combine is not None:
         weights, res, tickets = combine
         n_tok, per_token = weights.shape
-        if n_tok * per_token != n_pairs or res.shape != (n_tok, n) or tickets.shape != (TICKETS,) or n_tok * grid[2] > TICKETS:
+        if (n_tok * per_token != n_pairs or res.shape != (n_tok, n) or tickets.shape != (TICKETS,)
+                or n_tok * grid[2] > TICKETS):
             raise ValueError(f"moe_gemv_q8: combine needs weights [T, k] with T * k = {n_pairs} pairs, x [T, {n}] and "
-                             f"T * {grid[2]} row tiles <= {TICKETS} tickets, got {weights.shape}, {res.shape} and {tickets.shape}")
+                             f"T * {grid[2]} row tiles <= {TICKETS} tickets, got {weights.shape}, {res.shape} and "
+                             f"{tickets.shape}")
         lead += [weights.astype(F32).reshape(n_pairs), res.astype(F32), tickets]
         lead_specs += [_whole(n_pairs), _whole(n_tok, n), _whole(TICKETS)]
-        kw.update(y_spec=_whole(split, n_pairs, n), tail=[jax.ShapeDtypeStruct((n_tok, n), F32),
-                                                          jax.ShapeDtypeStruct((TICKETS,), jnp.int32)],
-                  tail_specs=[_whole(n_tok, n), _whole(TICKETS)], aliases={3: 1})
+        kw.update(y_spec=_whole(split, n_pairs, n), **_combined_outputs(n_tok, n), aliases={3: 1})
     out = _call(functools.partial(_moe_kernel, source=xo.source, qtype=qtype, n_experts=n_exp, bn=bn,
-                                  per_program=per_program, interpret=interpret, combine=per_token), xo, lead_specs=lead_specs, **kw)(lead, arrays)
+                                  per_program=per_program, interpret=interpret, combine=per_token),
+                xo, lead_specs=lead_specs, **kw)(lead, arrays)
     if combine is None:
         return add_partials(out)
     return out[1], out[2]
