@@ -29,8 +29,8 @@ ATTENTION_HELP = ("attention: xla (jnp; on the GPU each layer's cache is copied 
 
 ROUTING_HELP = ("MoE routing: xla (softmax, sort and gather: three or four kernels a layer on the GPU), "
                 "pallas (one kernel, which also looks up the placement), pallas-tickets (as pallas, but at "
-                "decode the router's launch routes in its last program and the o and down launches add the "
-                "residual in theirs; experimental, not yet measured on a card) or auto (pallas on a GPU for "
+                "decode the router's launch routes in its last program, the o and down launches add the "
+                "residual in theirs, and attention is one launch; experimental, not yet measured on a card) or auto (pallas on a GPU for "
                 "models that have it, else xla; the default)")
 
 

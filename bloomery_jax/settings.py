@@ -38,7 +38,7 @@ class RuntimeSettings:
     attention: str = "auto"  # xla (jnp) | pallas (kernels on the cache buffer) | auto (pallas on a GPU)
     bridge: str = "auto"  # host experts: callback (jax.pure_callback) | ffi (XLA FFI custom call) | auto
     # MoE routing: xla (jnp softmax + top-k) | pallas (one kernel) | pallas-tickets (at decode in the
-    # router's launch, and o and down add x: pallas.tickets; not yet measured on a card) | auto (pallas on a GPU)
+    # router's launch, o and down add x, attention in one launch: pallas.tickets; not yet measured on a card) | auto (pallas on a GPU)
     routing: str = "auto"
     decode_block: int = 0  # decode steps per device call while only generating; 0: 8 on a GPU, else 1
 

@@ -8,7 +8,7 @@ A forward step sees a *window* of ``rows`` consecutive slots starting at ``start
 int32, so moving the window never recompiles; ``rows`` is static): row ``b`` of the step's
 tokens reads and writes slot ``start + b``. The window offers the interface the model forwards
 use (models/kv_cache.py's): ``write(layer, k, v, positions)``, ``layer(i)``, ``mask(positions)``,
-``write_one_normed``, ``attend_one(layer, q, positions, scale)``, ``attend_many``,
+``write_one_normed``, ``attend_one(layer, q, positions, scale)``, ``attend_one_prepped``, ``attend_many``,
 ``with_lengths(positions)``, ``lengths`` and ``max_len``. Positions outside ``[0, S)`` are
 padding: nothing is stored for them and the lengths do not move.
 
@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from ..ops.attention import causal_mask
 from ..ops.qmatmul import interpret_kernels
 from ..pallas.attention import cache_decode_attention
+from ..pallas.attention_prepped import cache_attend_prepped
 from ..pallas.attn_prep import cache_qk_prep
 from ..pallas.flash_attention import cache_prefill_attention
 
@@ -113,6 +114,13 @@ class SlotCache:
         straight from the cache buffer (no layer copy; padding rows get zeros)."""
         return cache_decode_attention(self.k, self.v, layer, self.start, q, positions, self.lengths, scale,
                                       interpret=interpret_kernels())
+
+    def attend_one_prepped(self, layer: int, qkv: jax.Array, norms, rope, positions: jax.Array, scale: float,
+                           tickets: jax.Array) -> tuple[jax.Array, "SlotCache", jax.Array]:
+        """The window's ``write_one_normed`` then ``attend_one`` in one launch: as
+        ``KVCache.attend_one_prepped`` (models/kv_cache.py), row ``b`` in slot ``start + b``."""
+        return cache_attend_prepped(self, layer, self.start, qkv, norms, rope, positions, scale, tickets,
+                                    interpret=interpret_kernels())
 
     def attend_many(self, layer: int, q: jax.Array, positions: jax.Array, scale: float) -> jax.Array:
         """float32 ``[B, T, Hq, Dh]``: the window's T queries a row, by the Pallas prefill kernel

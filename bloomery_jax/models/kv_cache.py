@@ -9,8 +9,8 @@ use position ``S``).
 It is a pytree passed into and returned from the jitted step (donate it). The engine issue
 replaces it with a paged cache behind the same operations the model uses:
 ``write(layer, k, v, positions)``, ``layer(i)``, ``mask(positions)`` and, for one-token steps
-with the Pallas attention, ``write_one_normed``, ``attend_one(layer, q, positions, scale)`` and,
-for prefill, ``attend_many``.
+with the Pallas attention, ``write_one_normed``, ``attend_one(layer, q, positions, scale)`` (or
+both in one launch, ``attend_one_prepped``) and, for prefill, ``attend_many``.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from ..ops.attention import causal_mask
 from ..ops.qmatmul import interpret_kernels
 from ..pallas.attention import cache_decode_attention
+from ..pallas.attention_prepped import cache_attend_prepped
 from ..pallas.attn_prep import cache_qk_prep
 from ..pallas.flash_attention import cache_prefill_attention
 
@@ -87,6 +88,14 @@ class KVCache:
         cache buffer (padding rows get zeros)."""
         return cache_decode_attention(self.k, self.v, layer, 0, q, positions, self.lengths, scale,
                                       interpret=interpret_kernels())
+
+    def attend_one_prepped(self, layer: int, qkv: jax.Array, norms, rope, positions: jax.Array, scale: float,
+                           tickets: jax.Array) -> tuple[jax.Array, "KVCache", jax.Array]:
+        """``write_one_normed`` then ``attend_one`` in one launch (``pallas.attention_prepped``,
+        which combines its splits by ``tickets``, the step's counter buffer). Returns the
+        attention output float32 ``[B, Hq, Dh]``, the cache and the tickets."""
+        return cache_attend_prepped(self, layer, 0, qkv, norms, rope, positions, scale, tickets,
+                                    interpret=interpret_kernels())
 
     def attend_many(self, layer: int, q: jax.Array, positions: jax.Array, scale: float) -> jax.Array:
         """float32 ``[B, T, Hq, Dh]``: T queries a sequence (``q [B, T, Hq, Dh]`` at ``positions

@@ -70,8 +70,9 @@ class Config:
     attention: str = "xla"
     # Not from the file: "pallas" routes with pallas.route_topk (softmax and top-k in one kernel;
     # models.loader's routing=); "pallas-tickets" likewise, but a decode step routes in the
-    # router's launch (pallas.route.router_logits' route_k) and its o and down launches add the
-    # residual (their combine=), each in a launch's last program (pallas.tickets); "xla" is
+    # router's launch (pallas.route.router_logits' route_k), its o and down launches add the
+    # residual (their combine=) and its attention combines its splits (pallas.attention_prepped,
+    # with attention "pallas"), each in a launch's last program (pallas.tickets); "xla" is
     # ops.routing's jnp.
     routing: str = "xla"
 
@@ -240,7 +241,8 @@ class Routing:
 
 def _attention_block(params, cfg: Config, i: int, x, cos, sin, positions, cache: KVCache, mask, tickets=None):
     """The attention block on x: (x plus its output, the cache, the tickets). ``tickets``: the
-    step's counter buffer (``pallas.tickets``), with which the decode output projection adds x."""
+    step's counter buffer (``pallas.tickets``), with which the decode attention is one launch
+    (``pallas.attention_prepped``) and the decode output projection adds x."""
     b = f"blk.{i}."
     B, T, _ = x.shape
     ar = cfg.act_rounding
@@ -252,8 +254,12 @@ def _attention_block(params, cfg: Config, i: int, x, cos, sin, positions, cache:
     one_token = cfg.attention == "pallas" and T == 1
     if one_token and attn_prep.serves(cfg.head_dim, cfg.n_rot):  # partial sums, norms, rotation, cache write: one kernel
         qkv = qmatmul_many(x, ws, ar, norm=norm, partials=True)  # [S, B, (Hq + 2 Hkv) Dh]
-        q1, cache = cache.write_one_normed(i, qkv, (q_norm, k_norm, cfg.rms_eps), (cos[:, 0], sin[:, 0]),
-                                           positions[:, 0])  # q1 [B, Hq, Dh]
+        prep = (qkv, (q_norm, k_norm, cfg.rms_eps), (cos[:, 0], sin[:, 0]), positions[:, 0])
+        if tickets is not None:  # and the attention in the same launch, its splits combined by ticket
+            o, cache, tickets = cache.attend_one_prepped(i, *prep, cfg.attn_scale, tickets)  # [B, Hq, Dh]
+        else:
+            q1, cache = cache.write_one_normed(i, *prep)  # q1 [B, Hq, Dh]
+            o = cache.attend_one(i, q1, positions[:, 0], cfg.attn_scale)  # [B, Hq, Dh]
     else:
         q, k, v = qmatmul_many(x, ws, ar, norm=norm, precision=cfg.prefill_precision)
         q = q.reshape(B, T, cfg.n_heads, cfg.head_dim)  # [B, T, Hq, Dh]
@@ -262,14 +268,13 @@ def _attention_block(params, cfg: Config, i: int, x, cos, sin, positions, cache:
         q = apply_rope(rms_norm(q, q_norm, cfg.rms_eps), cos, sin, neox=True)
         k = apply_rope(rms_norm(k, k_norm, cfg.rms_eps), cos, sin, neox=True)
         cache = cache.write(i, k, v, positions)
-        q1 = q[:, 0]
-    if one_token:
-        o = cache.attend_one(i, q1, positions[:, 0], cfg.attn_scale)  # [B, Hq, Dh]
-    elif cfg.attention == "pallas":  # prefill: flash attention straight from the cache buffer
-        o = cache.attend_many(i, q, positions, cfg.attn_scale)  # [B, T, Hq, Dh]
-    else:
-        k_all, v_all = cache.layer(i)  # [B, S, Hkv, Dh]
-        o = gqa_attention(q, k_all, v_all, mask, cfg.attn_scale)  # [B, T, Hq, Dh]
+        if one_token:
+            o = cache.attend_one(i, q[:, 0], positions[:, 0], cfg.attn_scale)  # [B, Hq, Dh]
+        elif cfg.attention == "pallas":  # prefill: flash attention straight from the cache buffer
+            o = cache.attend_many(i, q, positions, cfg.attn_scale)  # [B, T, Hq, Dh]
+        else:
+            k_all, v_all = cache.layer(i)  # [B, S, Hkv, Dh]
+            o = gqa_attention(q, k_all, v_all, mask, cfg.attn_scale)  # [B, T, Hq, Dh]
     o = o.reshape(B, T, cfg.q_dim)  # [B, T, Hq*Dh]
     w_o = params[b + "attn_output.weight"]
     if tickets is not None:  # the residual add made where the decode GEMV finishes (no launch of its own)

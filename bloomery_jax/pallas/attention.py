@@ -68,12 +68,9 @@ def _kernel(vis_ref, row_ref, q_ref, k_ref, v_ref, m_ref, l_ref, o_ref, *, group
         out = ([], [], [])
         for g in range(groups):
             s = jnp.where(valid, jnp.sum(k * qs[g][None, :], axis=1), -jnp.inf)  # [BS] scores
-            m_new = jnp.maximum(ms[g], jnp.max(s))
-            alpha = jnp.exp(ms[g] - m_new)  # rescales what came before (0 at the first block)
-            p = jnp.exp(s - m_new)  # [BS]
-            out[0].append(m_new)
-            out[1].append(ls[g] * alpha + jnp.sum(p))
-            out[2].append(accs[g] * alpha + jnp.sum(p[:, None] * v, axis=0))
+            m, l, (acc,) = softmax_step(ms[g], ls[g], (accs[g],), s, (v,))
+            for o, value in zip(out, (m, l, acc)):
+                o.append(value)
         return tuple(tuple(o) for o in out)
 
     init = (tuple(jnp.full((), -jnp.inf, F32) for _ in range(groups)), tuple(jnp.zeros((), F32) for _ in range(groups)),
@@ -83,6 +80,17 @@ def _kernel(vis_ref, row_ref, q_ref, k_ref, v_ref, m_ref, l_ref, o_ref, *, group
         m_ref[0, 0, g, :] = jnp.full((1,), ms[g], F32)
         l_ref[0, 0, g, :] = jnp.full((1,), ls[g], F32)
         o_ref[0, 0, g, :] = accs[g]
+
+
+def softmax_step(m, l, accs, s, vs):
+    """One block of the online softmax: the running max ``m`` and sum of exponentials ``l``
+    (scalars) and weighted sums of values ``accs`` (a tuple of ``[n]`` parts, e.g. a head's
+    halves) after scores ``s [BS]`` and the values' parts ``vs`` (``[BS, n]`` each). Each
+    block needs a finite score: ``m`` may start at -inf, ``max(s)`` may not be."""
+    m_new = jnp.maximum(m, jnp.max(s))
+    alpha = jnp.exp(m - m_new)  # rescales what came before (0 at the first block)
+    p = jnp.exp(s - m_new)  # [BS]
+    return m_new, l * alpha + jnp.sum(p), tuple(a * alpha + jnp.sum(p[:, None] * v, axis=0) for a, v in zip(accs, vs))
 
 
 def default_splits(n_slots: int, block_s: int = 64) -> int:

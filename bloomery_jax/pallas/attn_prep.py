@@ -38,7 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 F32 = jnp.float32
-__all__ = ["cache_qk_prep", "decode_qk_prep", "serves"]
+__all__ = ["cache_qk_prep", "decode_qk_prep", "head_halves", "normed_rotated", "serves"]
 
 
 def serves(head_dim: int, n_rot: int) -> bool:
@@ -48,7 +48,7 @@ def serves(head_dim: int, n_rot: int) -> bool:
     return n_rot == head_dim and head_dim % 2 == 0 and half & (half - 1) == 0
 
 
-def _normed_rotated(x0, x1, w_ref, cos, sin, eps: float):
+def normed_rotated(x0, x1, w_ref, cos, sin, eps: float):
     """One head's halves ``[Dh/2]`` each: RMS-normed, scaled by the norm weight, NeoX-rotated."""
     half = x0.shape[0]
     mean_sq = (jnp.sum(x0 * x0) + jnp.sum(x1 * x1)) / (2 * half)
@@ -56,6 +56,14 @@ def _normed_rotated(x0, x1, w_ref, cos, sin, eps: float):
     y0 = (x0 * scale) * w_ref[pl.ds(0, half)].astype(F32)
     y1 = (x1 * scale) * w_ref[pl.ds(half, half)].astype(F32)
     return y0 * cos - y1 * sin, y0 * sin + y1 * cos
+
+
+def head_halves(qkv_ref, half: int, h):
+    """Head h of q|k|v (h counts Dh-wide heads from q's first) from ``qkv_ref [P, width]``, its P
+    partial sums added in order: two float32 ``[Dh/2]``."""
+    parts = [[qkv_ref[s, pl.ds(h * 2 * half + i * half, half)].astype(F32) for i in range(2)]
+             for s in range(qkv_ref.shape[0])]
+    return [functools.reduce(lambda a, b: a + b, [p[i] for p in parts]) for i in range(2)]
 
 
 def _kernel(start_ref, pos_ref, qkv_ref, qn_ref, kn_ref, cos_ref, sin_ref, ck_in, cv_in, q_ref, ck_ref, cv_ref,
@@ -69,16 +77,12 @@ def _kernel(start_ref, pos_ref, qkv_ref, qn_ref, kn_ref, cos_ref, sin_ref, ck_in
     lo, hi = pl.ds(0, half), pl.ds(half, half)
     cos, sin = cos_ref[...].astype(F32), sin_ref[...].astype(F32)
 
-    def halves(h):
-        """Head h of q|k|v (h counts Dh-wide heads from q's first), its partial sums added: two [Dh/2]."""
-        parts = [[qkv_ref[s, pl.ds(h * 2 * half + i * half, half)].astype(F32) for i in range(2)]
-                 for s in range(qkv_ref.shape[0])]
-        return [functools.reduce(lambda a, b: a + b, [p[i] for p in parts]) for i in range(2)]
+    halves = functools.partial(head_halves, qkv_ref, half)
 
     @pl.when(j < groups)  # query head head * G + j
     def _():
         q = head * groups + j
-        a, b = _normed_rotated(*halves(q), qn_ref, cos, sin, eps)
+        a, b = normed_rotated(*halves(q), qn_ref, cos, sin, eps)
         plgpu.store(q_ref.at[seq, q, lo], a)
         plgpu.store(q_ref.at[seq, q, hi], b)
 
@@ -88,7 +92,7 @@ def _kernel(start_ref, pos_ref, qkv_ref, qn_ref, kn_ref, cos_ref, sin_ref, ck_in
 
     @pl.when((j == groups) & (pos >= 0) & (pos < n_slots))  # the kv head's key and value
     def _():
-        k0, k1 = _normed_rotated(*halves(n_q + head), kn_ref, cos, sin, eps)
+        k0, k1 = normed_rotated(*halves(n_q + head), kn_ref, cos, sin, eps)
         v0, v1 = halves(n_q + n_kv + head)
         for ref, first, second in ((ck_ref, k0, k1), (cv_ref, v0, v1)):
             plgpu.store(ref.at[row, pos, head, lo], first.astype(ref.dtype))
