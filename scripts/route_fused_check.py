@@ -13,6 +13,10 @@ checks each one:
   a stale logit would pick another expert or move a margin;
 - down and o: outputs off by more than 1e-4 of their magnitude (|x| + sum_j w_j |y_j|) are
   counted: rounding differs by a few 2^-24 of it, a stale or missing row by a whole row;
+- attention (``attention_prepped``: the queries and own key formed in the launch, its splits
+  combined by ticket) against ``decode_qk_prep`` then ``decode_attention`` on the same cache:
+  the caches bit for bit, outputs off by more than 1e-4 of 1 + |output| counted (the sums'
+  order moves them by ~1e-7; a stale split by its whole share);
 - the counters back at 0 after every call.
 Prints one JSON line per shape and the whole result (also to --json).
 
@@ -34,6 +38,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bloomery_jax.ops.experts import _weighted_sum  # noqa: E402
+from bloomery_jax.pallas.attention import cache_rows, decode_attention  # noqa: E402
+from bloomery_jax.pallas.attention_prepped import decode_attention_prepped  # noqa: E402
+from bloomery_jax.pallas.attn_prep import decode_qk_prep  # noqa: E402
 from bloomery_jax.pallas.qgemv_q8 import moe_gemv_q8, qgemv_q8  # noqa: E402
 from bloomery_jax.pallas.route import route_topk, router_logits  # noqa: E402
 from bloomery_jax.pallas.tickets import new_tickets  # noqa: E402
@@ -81,6 +88,56 @@ def _o_chain(a, x, w_o, tickets, *, interpret: bool):
         fused.append(got)
         plain.append((x[i] + y, jnp.abs(x[i]) + jnp.abs(y)))
     return fused, plain, tickets
+
+
+def _attention_chain(qkv, pos, cos, sin, norms, caches, tickets, *, interpret: bool):
+    """``layers`` one-launch attentions on one counter buffer and one cache, and beside them the
+    two-launch form on its own copy of the cache: (outputs, theirs with magnitudes 1 + |y|, the
+    caches both ways, the tickets)."""
+    qn, kn = norms
+    ck, cv = caches
+    pk, pv = caches  # the two-launch form's
+    lengths = pos + 1
+    scale = float(ck.shape[-1]) ** -0.5
+    fused, plain = [], []
+    for i in range(qkv.shape[0]):
+        got, ck, cv, tickets = decode_attention_prepped(qkv[i], qn, kn, cos, sin, ck, cv, lengths, i, 0, pos, tickets,
+                                                        scale=scale, eps=1e-6, interpret=interpret)
+        q, pk, pv = decode_qk_prep(qkv[i], qn, kn, cos, sin, pk, pv, i, 0, pos, eps=1e-6, interpret=interpret)
+        k_rows, v_rows, rows = cache_rows(pk, pv, i, 0, pos.shape[0])
+        want = decode_attention(q, k_rows, v_rows, pos + 1, scale, rows, interpret=interpret)
+        fused.append(got)
+        plain.append((want, 1.0 + jnp.abs(want)))
+    return fused, plain, (ck, cv), (pk, pv), tickets
+
+
+def check_attention(args, rng) -> list[dict]:
+    """The one-launch decode attention against the two-launch form, per row count: Qwen3-30B-A3B's
+    heads (32 query, 4 kv of 128), a 4,096-slot cache (16 splits), random positions."""
+    L, Hq, Hkv, Dh, S = args.layers, 32, 4, 128, 4096
+    run = jax.jit(lambda *a: _attention_chain(*a, interpret=args.interpret))
+    out = []
+    for n in (int(r) for r in args.rows.split(",")):
+        off, worst, cache_diffs, tickets_nonzero = 0, 0.0, 0, 0
+        tickets = new_tickets()
+        caches = tuple(jnp.asarray(rng.standard_normal((L, n, S, Hkv, Dh)), jnp.float32) for _ in range(2))
+        calls = max(1, args.calls // 4)
+        for _ in range(calls):
+            qkv = jnp.asarray(rng.standard_normal((L, 4, n, (Hq + 2 * Hkv) * Dh)), jnp.float32)  # 4 partial sums
+            pos = jnp.asarray(rng.integers(0, S, n), jnp.int32)
+            angle = rng.uniform(0, 6.3, (n, Dh // 2))
+            cos, sin = jnp.asarray(np.cos(angle), jnp.float32), jnp.asarray(np.sin(angle), jnp.float32)
+            norms = tuple(jnp.asarray(rng.uniform(0.5, 1.5, Dh), jnp.float32) for _ in range(2))
+            fused, plain, caches, theirs, tickets = run(qkv, pos, cos, sin, norms, caches, tickets)
+            o, wst = _count_off(fused, plain)
+            off, worst = off + o, max(worst, wst)
+            cache_diffs += sum(int(np.sum(np.asarray(a) != np.asarray(b))) for a, b in zip(caches, theirs))
+            tickets_nonzero += int(np.asarray(tickets).any())
+        shape = {"launch": "attention", "rows": n, "outputs": calls * L * n * Hq * Dh, "off": off,
+                 "worst_relative": worst, "cache_diffs": cache_diffs, "tickets_nonzero": tickets_nonzero}
+        print(json.dumps(shape), flush=True)
+        out.append(shape)
+    return out
 
 
 def _count_off(fused, plain) -> tuple[int, float]:
@@ -172,8 +229,10 @@ def main() -> None:
         result["shapes"].append(shape)
         print(json.dumps(shape), flush=True)
     result["combines"] = check_combines(args, rng)
+    result["attention"] = check_attention(args, rng)
     result["ok"] = (all(not sum(s["mismatched"].values()) and not s["tickets_nonzero"] for s in result["shapes"])
-                    and all(not s["off"] and not s["tickets_nonzero"] for s in result["combines"]))
+                    and all(not s["off"] and not s["tickets_nonzero"] for s in result["combines"])
+                    and all(not (s["off"] or s["cache_diffs"] or s["tickets_nonzero"]) for s in result["attention"]))
     print(json.dumps(result))
     if args.json:
         with open(args.json, "w") as f:
