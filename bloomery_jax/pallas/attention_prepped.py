@@ -12,9 +12,10 @@ a layer on the H100, thirtieth session's profile), the split kernel (4.3 us) and
 of the splits (~1.1 us), and the step is bound by launches, not bytes.
 
 How: the split kernel's grid ``(B, Hq, splits)``, one query head a program.
-- Each program adds up its head's partial sums of q, norms and rotates it (``attn_prep``'s code)
-  and walks its share of the cached slots *before* the step's own (``attention``'s online
-  softmax, by head halves: the rotation's pairs).
+- Each program with slots to see adds up its head's partial sums of q, norms and rotates it
+  (``attn_prep``'s code) and walks its share of the cached slots *before* the step's own
+  (``attention``'s online softmax, by head halves: the rotation's pairs). A short row leaves most
+  splits nothing to see; they store an empty share and form no query.
 - The step's own key and value never come back from the cache: the programs of split 0 form
   them from the partial sums (k normed and rotated, both rounded to the cache's dtype as the
   cache would hold them) and add that slot to their share, and the one of a kv head's first
@@ -58,29 +59,21 @@ def _kernel(start_ref, pos_ref, len_ref, qkv_ref, qn_ref, kn_ref, cos_ref, sin_r
     kv = h // groups
     cos, sin = cos_ref[...].astype(F32), sin_ref[...].astype(F32)
     halves = functools.partial(head_halves, qkv_ref, half)
-    q = [part * scale for part in normed_rotated(*halves(h), qn_ref, cos, sin, eps)]  # 2 x [Dh/2]
 
     pos, length = pos_ref[0], len_ref[0]
     stored = (pos >= 0) & (pos < n_slots)  # padding positions store and see nothing
-    own = stored & (pos < length)  # the step's own slot is visible
+    own = stored & (pos < length) & (j == 0)  # this split adds the step's own slot (visible)
     visible = jnp.where(stored, jnp.minimum(pos + 1, length), 0)
-    cached = visible - own.astype(jnp.int32)  # slots read from the cache: those before the own slot
+    cached = visible - (stored & (pos < length)).astype(jnp.int32)  # slots read from the cache: before the own slot
     row = layer * n_rows + start_ref[0] + b
     share = (cached + splits * block_s - 1) // (splits * block_s)  # blocks each split walks (at most)
     first = j * share * block_s
     n_blocks = jnp.clip((cached - first + block_s - 1) // block_s, 0, share)
 
-    def body(i, carry):
-        m, l, accs = carry
-        at = first + i * block_s
-        valid = at + jnp.arange(block_s) < cached  # [BS]
-        k, v = ([plgpu.load(ref.at[row, pl.ds(at, block_s), kv, p], mask=valid[:, None], other=0.0).astype(F32)
-                 for p in parts] for ref in (ck_ref, cv_ref))  # [BS, Dh/2] halves
-        s = jnp.where(valid, jnp.sum(k[0] * q[0][None, :], axis=1) + jnp.sum(k[1] * q[1][None, :], axis=1), -jnp.inf)
-        return softmax_step(m, l, accs, s, v)
-
-    init = (jnp.full((), -jnp.inf, F32), jnp.zeros((), F32), (jnp.zeros((half,), F32),) * 2)
-    m, l, accs = jax.lax.fori_loop(0, n_blocks, body, init)
+    def own_slot():
+        """The step's own key and value (two [Dh/2] halves each), as the cache holds them."""
+        key = normed_rotated(*halves(groups * n_kv + kv), kn_ref, cos, sin, eps)
+        return [x.astype(ck_ref.dtype) for x in key], [x.astype(cv_ref.dtype) for x in halves((groups + 1) * n_kv + kv)]
 
     def store_split(m, l, accs):
         plgpu.store(m_ref.at[b, h, pl.ds(j, 1)], jnp.full((1,), m, F32))
@@ -88,23 +81,44 @@ def _kernel(start_ref, pos_ref, len_ref, qkv_ref, qn_ref, kn_ref, cos_ref, sin_r
         for p, acc in zip(parts, accs):
             plgpu.store(o_ref.at[b, h, j, p], acc)
 
-    store_split(m, l, accs)
+    init = (jnp.full((), -jnp.inf, F32), jnp.zeros((), F32), (jnp.zeros((half,), F32),) * 2)
+    busy = (n_blocks > 0) | own
 
-    @pl.when((j == 0) & stored)
-    def _():  # the step's own key and value, as the cache holds them
-        key = [part.astype(ck_ref.dtype) for part in normed_rotated(*halves(groups * n_kv + kv), kn_ref, cos, sin, eps)]
-        value = [part.astype(cv_ref.dtype) for part in halves(groups * n_kv + n_kv + kv)]
+    @pl.when(~busy)  # short rows leave most splits nothing to see: no query formed
+    def _():
+        store_split(*init)
+
+    @pl.when(busy)
+    def _():
+        q = [part * scale for part in normed_rotated(*halves(h), qn_ref, cos, sin, eps)]  # 2 x [Dh/2]
+
+        def body(i, carry):
+            m, l, accs = carry
+            at = first + i * block_s
+            valid = at + jnp.arange(block_s) < cached  # [BS]
+            k, v = ([plgpu.load(ref.at[row, pl.ds(at, block_s), kv, p], mask=valid[:, None], other=0.0).astype(F32)
+                     for p in parts] for ref in (ck_ref, cv_ref))  # [BS, Dh/2] halves
+            s = jnp.where(valid, jnp.sum(k[0] * q[0][None, :], axis=1) + jnp.sum(k[1] * q[1][None, :], axis=1),
+                          -jnp.inf)
+            return softmax_step(m, l, accs, s, v)
+
+        m, l, accs = jax.lax.fori_loop(0, n_blocks, body, init)
+
+        @pl.when(~own)
+        def _():
+            store_split(m, l, accs)
 
         @pl.when(own)
         def _():
+            key, value = own_slot()
             s = jnp.sum(key[0].astype(F32) * q[0]) + jnp.sum(key[1].astype(F32) * q[1])
-            store_split(*softmax_step(m, l, accs, jnp.full((1,), s, F32), [v.astype(F32)[None, :] for v in value]))
+            store_split(*softmax_step(m, l, accs, jnp.full((1,), s, F32), [x.astype(F32)[None, :] for x in value]))
 
-        @pl.when(h % groups == 0)
-        def _():
-            for ref, halves_ in ((ck_ref, key), (cv_ref, value)):
-                for p, x in zip(parts, halves_):
-                    plgpu.store(ref.at[row, pos, kv, p], x)
+    @pl.when((j == 0) & stored & (h % groups == 0))  # one program a kv head stores its key and value
+    def _():
+        for ref, halves_ in zip((ck_ref, cv_ref), own_slot()):
+            for p, x in zip(parts, halves_):
+                plgpu.store(ref.at[row, pos, kv, p], x)
 
     @when_last(tk_ref, b * pl.num_programs(1) + h, splits, interpret)
     def _():  # the head's splits rescaled to their common max, as attention.decode_attention's combine
