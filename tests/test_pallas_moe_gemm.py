@@ -114,7 +114,7 @@ def quant_tile_errors(y, x, raw, w64, experts, qtype, precision, exact_sums=None
     return np.abs(np.asarray(y, np.float64) - model) / (1.01 * (k // width + width + 4) * 2.0 ** -24 * mag)
 
 
-@pytest.mark.parametrize("qtype,layout", [(q, "planes") for q in PACKABLE] + [(T.Q5_K, "ggml")],
+@pytest.mark.parametrize("qtype,layout", [(q, "planes") for q in PACKABLE] + [(T.Q5_K, "ggml"), (T.Q8_0, "ggml")],
                          ids=lambda v: getattr(v, "name", v))
 @pytest.mark.parametrize("precision", sorted(QUANT_TILES))
 def test_quant_tiles_match_their_model(qtype, layout, precision):
@@ -205,12 +205,17 @@ def test_lowers_to_triton_for_h200(qtype, precision, wide, monkeypatch):
 
 
 @pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
-def test_ggml_lowers_to_triton_for_h200(monkeypatch):
-    """A verified Triton module for sm_90 on ggml-layout experts (Q5_K: every field kind)."""
+@pytest.mark.parametrize("qtype,precision", [(T.Q5_K, "tf32x3"), (T.Q5_K, "q-bf16"), (T.Q8_0, "q-bf16x2"),
+                                             (T.Q6_K, "q-bf16"), (T.Q4_K, "q-int8")],
+                         ids=lambda v: getattr(v, "name", str(v)))
+def test_ggml_lowers_to_triton_for_h200(qtype, precision, monkeypatch):
+    """A verified Triton module for sm_90 on ggml-layout experts (Q5_K: every field kind): f32
+    tiles, the bf16 quant tiles' paired halves (Q5_K, Q8_0), Q6_K's element order and int8 tiles."""
     e, n, k = 6, 128, 512
-    raw = np.stack([weight(T.Q5_K, n, k, np.random.default_rng(0)) for _ in range(e)])
-    pw = repack(raw, T.Q5_K, (e, n, k), "ggml")
+    raw = np.stack([weight(qtype, n, k, np.random.default_rng(0)) for _ in range(e)])
+    pw = repack(raw, qtype, (e, n, k), "ggml")
     x = jax.ShapeDtypeStruct((64, k), jnp.float32)
     tiles = jax.ShapeDtypeStruct((2,), jnp.int32)
-    built = triton_kernels(monkeypatch, lambda x, w, t: moe_gemm(x, w, t, config=GemmConfig()), x, pw, tiles)
-    assert built == [("moe_gemm_ggml_q5_k", 90, True)]
+    cfg = GemmConfig(precision=precision)
+    built = triton_kernels(monkeypatch, lambda x, w, t: moe_gemm(x, w, t, config=cfg), x, pw, tiles)
+    assert built == [(f"moe_gemm_ggml_{qtype.name.lower()}", 90, True)]

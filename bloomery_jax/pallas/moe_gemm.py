@@ -39,6 +39,14 @@ scale; its min term sums the Q8_1 values, so the result is ``q8_1(x) . w`` up to
 what ``act_rounding="ggml-cuda"`` computes (``kernels=pallas-q8`` takes it; on the H100 it ran
 slower than q-bf16). The interpreter multiplies the same bf16 or int8 operands, so the CPU
 tests check the rounding too.
+
+On "ggml"-layout weights (kept for the decode GEMVs of ``qgemv_q8``) the bf16 quant tiles take
+each 32-element sub-block of Q8_0, Q4_K and Q5_K as two 16-column halves in the paired order of
+``qgemv.paired_format``, x's columns permuted to match before the launch: in element order
+the tile passed through shared memory on its way to the tensor cores (offline sm_90 counts of
+this launch at 32 x 64, instructions / shared-memory operations / barriers: Q4_K planes
+1,656 / 54 / 6, ggml 1,920 / 254 / 20, paired 1,688 / 50 / 6; Q8_0 648 / 38 / 6, 832 / 166 /
+12, 648 / 34 / 6). Q6_K keeps the element order (2,232 / 286 / 36; planes 1,696 / 58 / 6).
 """
 
 from __future__ import annotations
@@ -55,7 +63,7 @@ from jax.experimental.pallas import triton as plgpu
 from ..ops.actquant import q8_1_ints, quantize_q8_1
 from ..quant.repack import PackedWeight
 from .moe_gemv import _ExpertView, _kernel_name, _operands, check_stacked
-from .qgemv import F32, _largest_divisor, format_of
+from .qgemv import F32, _largest_divisor, format_of, pair_columns, paired_format
 
 __all__ = ["GemmConfig", "TilePlan", "dense_gemm", "moe_gemm", "pick_gemm_config", "plan_tiles"]
 
@@ -186,9 +194,8 @@ def _quant_tile_kernel(e_ref, *refs, fmt, n_experts: int, chunks: int, parts: in
             for plane in fmt.planes(c, views):
                 cols = pl.ds(plane.col, fmt.width)
                 if parts:
-                    q = plane.quants(jnp.bfloat16)  # [BN, W], exact
-                    products = [jax.lax.dot_general(x_ref[:, cols], q, _NT, preferred_element_type=F32)
-                                for x_ref in x_refs]  # [BM, BN] each
+                    q = plane.quants(jnp.bfloat16)  # [BN, W], exact (paired: two [BN, W / 2] halves)
+                    products = [_tile_product(x_ref, plane.col, q) for x_ref in x_refs]  # [BM, BN] each
                     dot = functools.reduce(jnp.add, products)  # not sum(): IEEE keeps its 0 + first
                 else:  # integer products, exact; then the rows' block scales
                     q, xt = plane.ints(), x_refs[0][:, cols]  # [BN, W], [BM, W]
@@ -204,6 +211,17 @@ def _quant_tile_kernel(e_ref, *refs, fmt, n_experts: int, chunks: int, parts: in
             return acc
 
         o_ref[...] = jax.lax.fori_loop(0, chunks, step, jnp.zeros(o_ref.shape, F32))
+
+
+def _tile_product(x_ref, col, q) -> jax.Array:
+    """``x[:, col:col+W] . q^T`` ``[BM, BN]`` for a plane's bf16 quants q ``[BN, W]``, or for its
+    halves in the paired order (x's columns then in that order too: ``qgemv.pair_columns``)."""
+    if not isinstance(q, tuple):
+        return jax.lax.dot_general(x_ref[:, pl.ds(col, q.shape[1])], q, _NT, preferred_element_type=F32)
+    half = q[0].shape[1]
+    lo, hi = (jax.lax.dot_general(x_ref[:, pl.ds(col + h * half, half)], t, _NT, preferred_element_type=F32)
+              for h, t in enumerate(q))
+    return lo + hi
 
 
 def _in_q8_block(q: jax.Array, col) -> jax.Array:
@@ -233,14 +251,16 @@ def _bf16_parts(x: jax.Array, parts: int) -> list[jax.Array]:
     return out
 
 
-def _quant_tile_inputs(x: jax.Array, parts: int, width: int, with_min: bool):
+def _quant_tile_inputs(x: jax.Array, parts: int, width: int, with_min: bool, paired: bool = False):
     """What ``_quant_tile_kernel`` reads of x [M, K], in its order, as (row tiles [M, K], column
-    blocks [K / W, M]): the bf16 parts, or the int8 Q8_1 quants and their scales [K / 32, M];
-    then, with mins, the plane sums of what the products see (x itself, or the Q8_1 values
-    ``d * q``, from their integer sums)."""
+    blocks [K / W, M]): the bf16 parts (``paired``: their columns in the weight tiles' paired
+    order), or the int8 Q8_1 quants and their scales [K / 32, M]; then, with mins, the plane sums
+    of what the products see (x itself, or the Q8_1 values ``d * q``, from their integer sums)."""
     m, k = x.shape
     if parts:
         rows, cols = _bf16_parts(x, parts), []
+        if paired:
+            rows = [pair_columns(r, width) for r in rows]
         sums = x.astype(F32).reshape(m, k // width, width).sum(axis=2)  # [M, K / W]
     else:
         q8 = quantize_q8_1(x)
@@ -281,17 +301,19 @@ def moe_gemm(x: jax.Array, w: PackedWeight, tile_experts: jax.Array, *, config: 
     if x.ndim != 2 or x.shape[1] != k or x.shape[0] % bm or tile_experts.shape != (x.shape[0] // bm,):
         raise ValueError(f"moe_gemm: x must be [M, {k}] with M a multiple of {bm} and tile_experts [M/{bm}], "
                          f"got {x.shape} and {tile_experts.shape}")
-    quant_tiles = config.precision in QUANT_TILES
-    if config.wide and (w.layout != "planes" or quant_tiles):
+    if config.wide and (w.layout != "planes" or config.precision in QUANT_TILES):
         raise ValueError(f"moe_gemm: wide=True builds whole planes-layout f32 chunks; a {w.layout}-layout weight "
                          f"at precision {config.precision!r} takes wide=False")
-    fmt = format_of(w.layout, qtype)
+    quant_tiles = config.precision in QUANT_TILES
+    # bf16 quant tiles take the ggml sub-blocks in the paired order where there is one
+    paired_fmt = paired_format(w.layout, qtype) if quant_tiles and QUANT_TILES[config.precision] else None
+    fmt = paired_fmt or format_of(w.layout, qtype)
     bn = _largest_divisor(n, config.block_n, pow2=True)
     arrays, specs = _operands(w, bn)
     x_spec = pl.BlockSpec((bm, k), lambda t, i: (t, 0))  # this tile's rows of x
     if quant_tiles:
         parts, with_min = QUANT_TILES[config.precision], qtype in (T.Q4_K, T.Q5_K)
-        rows, cols = _quant_tile_inputs(x, parts, fmt.width, with_min)
+        rows, cols = _quant_tile_inputs(x, parts, fmt.width, with_min, paired_fmt is not None)
         xs = rows + cols
         x_specs = [x_spec] * len(rows) + [pl.BlockSpec((a.shape[0], bm), lambda t, i: (0, t)) for a in cols]
         kernel = functools.partial(_quant_tile_kernel, fmt=fmt, n_experts=n_exp, chunks=k // fmt.chunk,

@@ -19,6 +19,8 @@ dot-product kernels of ``qgemv_q8``) through other per-format bodies (``GGML_FOR
 yields a sub-block (W = 32 elements, 16 for Q6_K) unpacked from its words with one shift and mask
 per byte and a ``[BN, W / 4, 4] -> [BN, W]`` reshape, with the planes bodies' exact values, so
 all that follows, and the bound below, is the same. ``format_of(layout, qtype)`` picks the body.
+``paired_format`` gives the tensor-core tiles of ``moe_gemm`` the same sub-blocks as two halves
+in another column order, which reach the products without passing through shared memory.
 
 Exactness: every weight the kernel forms equals ``dequantize`` of the file bit for bit (the
 f16 scales widen exactly, ``d * sc`` and its product with the quant are exact in f32, and the
@@ -72,10 +74,12 @@ def _as_f32(q: jax.Array, offset: float = TWO23) -> jax.Array:
 
 
 class Plane(NamedTuple):
-    """W columns of BN weight rows sharing one scale per row: weight = scale * (q - bias) - min."""
+    """W columns of BN weight rows sharing one scale per row: weight = scale * (q - bias) - min.
+    ``q`` may be the fields of the paired order (``paired_format``): the methods then return
+    its two halves."""
 
     col: object  # int or traced int32: the first column of the row it covers
-    q: jax.Array  # int32 [BN, W], the stored quants, in [0, 2^8)
+    q: object  # int32 [BN, W], the stored quants, in [0, 2^8); or fields ((f0, f1), (f2, f3)) (_byte_field_pairs)
     bias: float  # what the stored quants are offset by (128 for Q8_0's int8, 32 for Q6_K, else 0)
     scale: jax.Array  # float32 [BN]: d, or d * sub-block scale (exact products)
     min: jax.Array | None  # float32 [BN]: dmin * sub-block min (Q4_K, Q5_K), else None
@@ -83,17 +87,20 @@ class Plane(NamedTuple):
     def weights(self) -> jax.Array:
         """float32 [BN, W], the dequantized values, equal to ``dequantize`` bit for bit (one
         rounding where a min is subtracted, as in ggml)."""
-        w = self.scale[:, None] * _as_f32(self.q, TWO23 + self.bias)
-        return w if self.min is None else w - self.min[:, None]
+        def of(q):
+            w = self.scale[:, None] * _as_f32(q, TWO23 + self.bias)
+            return w if self.min is None else w - self.min[:, None]
+
+        return _joined(jax.tree.map(of, self.q))
 
     def ints(self) -> jax.Array:
         """``q - bias``, int32 [BN, W], in [-128, 128)."""
-        return self.q - int(self.bias)
+        return _joined(jax.tree.map(lambda q: q - int(self.bias), self.q))
 
     def quants(self, dtype) -> jax.Array:
         """``q - bias`` as ``dtype`` [BN, W]: exact in any float type of at least 8 significant
         bits (bf16 and up)."""
-        return _as_f32(self.q, TWO23 + self.bias).astype(dtype)
+        return _joined(jax.tree.map(lambda q: _as_f32(q, TWO23 + self.bias).astype(dtype), self.q))
 
 
 def _fma_rows(accs, w, x_ref, col, width):
@@ -203,17 +210,51 @@ def _byte_fields(words, shift: int, mask: int):
     return fields.reshape(words.shape[0], 4 * words.shape[1])  # [BN, n, 4] -> [BN, 4n]
 
 
-def _q8_0_ggml(c, refs):
+# The paired order: the fields of bytes 0-1 and of bytes 2-3 of every word as two tiles, joined
+# on a new minor axis (``[BN, n, 2] -> [BN, 2n]``): half h's column 2i + j is element 4i + 2h + j.
+# Unlike the element order's reshape, which Triton builds in registers and then moves to the
+# tensor cores' operand layout through shared memory (128 16-bit stores a chunk, twenty-ninth
+# session), a join keeps each thread's two fields side by side, where a bf16 operand wants
+# them: the tile reaches the products as the planes layout's does (offline sm_90 counts of a
+# q-bf16 Q4_K tile kernel: planes 928 SASS instructions, 54 shared-memory operations; element
+# order 1,112 and 254; paired 984 and 50). x's columns must be in the same order
+# (``pair_columns``).
+
+
+def _byte_field_pairs(words, shift: int, mask: int):
+    """``_byte_fields`` for the paired order, not yet joined: ``((f0, f1), (f2, f3))``, ``f_k``
+    the int32 ``[BN, n]`` fields of byte k (``_joined`` makes the halves, after the fields are
+    converted: a join of bf16 fields compiles to fewer instructions than one of int32 fields)."""
+    fields = [(words >> (8 * k + shift)) & mask for k in range(4)]  # [BN, n] each
+    return (fields[0], fields[1]), (fields[2], fields[3])
+
+
+def _joined(q):
+    """A tile as the products take it: q itself, or for fields ``((f0, f1), (f2, f3))`` the two
+    halves of the paired order, ``[BN, n, 2] -> [BN, 2n]`` each."""
+    if not isinstance(q, tuple):
+        return q
+    return tuple(jnp.stack(pair, axis=-1).reshape(pair[0].shape[0], 2 * pair[0].shape[1]) for pair in q)
+
+
+def pair_columns(x: jax.Array, width: int = 32) -> jax.Array:
+    """x ``[M, K]`` with each ``width``-column group in the paired order of its weight tiles."""
+    m, k = x.shape
+    groups = x.reshape(m, k // width, width // 4, 2, 2)  # [M, groups, i, h, j]: element 4i + 2h + j
+    return groups.transpose(0, 1, 3, 2, 4).reshape(m, k)  # [M, groups, h, i, j]
+
+
+def _q8_0_ggml(c, refs, fields=_byte_fields):
     qs_ref, d_ref = refs  # [BN, K/4] int32 (block b = words 8b..8b+7), [K/32, BN] f16
     for p in range(4):
         blk = 4 * c + p  # ggml block: 32 elements, one scale
         words = qs_ref[:, pl.ds(blk * 8, 8)]  # [BN, 8]
         d = d_ref[blk, :].astype(F32)  # [BN]
-        q = _byte_fields(words, 0, 0xFF) ^ 0x80  # int8 biased by 128, as planes
+        q = jax.tree.map(lambda f: f ^ 0x80, fields(words, 0, 0xFF))  # int8 biased by 128, as planes
         yield Plane(blk * 32, q, 128.0, d, None)  # [BN, 32]
 
 
-def _k4_ggml(c, refs, with_qh):
+def _k4_ggml(c, refs, with_qh, fields=_byte_fields):
     qs_ref, sc_ref, dm_ref, *qh_ref = refs  # [BN, K/8] i32, [G, 3, BN] i32, [G, 2, BN] f16, [BN, K/32] i32
     if with_qh:
         qh = qh_ref[0][:, pl.ds(c * 8, 8)]  # [BN, 8]: bit p of byte l = 5th bit of sub-block p, element l
@@ -222,9 +263,9 @@ def _k4_ggml(c, refs, with_qh):
         # bytes 32s..32s+31: low nibbles are sub-block 2s, high nibbles sub-block 2s + 1
         words = qs_ref[:, pl.ds(c * 32 + 8 * s, 8)]  # [BN, 8]
         for p in (2 * s, 2 * s + 1):
-            q = _byte_fields(words, 4 * (p % 2), 0xF)  # [BN, 32]
+            q = fields(words, 4 * (p % 2), 0xF)  # [BN, 32]
             if with_qh:
-                q = q | (_byte_fields(qh, p, 1) << 4)
+                q = jax.tree.map(lambda lo, hi: lo | (hi << 4), q, fields(qh, p, 1))
             dl, ml = scales(p)  # [BN]
             yield Plane(c * 256 + p * 32, q, 0.0, dl, ml)  # [BN, 32]
 
@@ -252,12 +293,28 @@ GGML_FORMATS = {
     T.Q6_K: _Format(256, 16, _q6_k_ggml),
 }
 F32_LAYOUTS = {"planes": FORMATS, "ggml": GGML_FORMATS}  # the layouts the f32 kernels of this file read
+# the ggml bodies in the paired order, where a half is a whole tensor-core step (16 columns)
+PAIRED_FORMATS = {
+    T.Q8_0: _Format(128, 32, functools.partial(_q8_0_ggml, fields=_byte_field_pairs)),
+    T.Q4_K: _Format(256, 32, functools.partial(_k4_ggml, with_qh=False, fields=_byte_field_pairs)),
+    T.Q5_K: _Format(256, 32, functools.partial(_k4_ggml, with_qh=True, fields=_byte_field_pairs)),
+}
 
 
 def format_of(layout: str, qtype) -> _Format | None:
     """The f32 kernel body for weights of that layout and type; None where this file has none
     ("rows" weights go to ``qgemv_rows``)."""
     return F32_LAYOUTS.get(layout, {}).get(T(qtype))
+
+
+def paired_format(layout: str, qtype) -> _Format | None:
+    """The body yielding a weight's sub-blocks as the paired order's halves, for the
+    tensor-core tiles: ggml-layout Q8_0, Q4_K and Q5_K; None elsewhere. Q6_K's 16-element
+    sub-blocks would halve to 8 columns, under a bf16 product's 16; two to a tile, each plane's
+    product must zero the other's columns, and every way tried (a select on x or on the tile, an
+    integer mask before the join, a loaded mask, masked loads) sent the tile through shared memory
+    again or spilled (thirty-second session, offline sm_90 counts)."""
+    return PAIRED_FORMATS.get(T(qtype)) if layout == "ggml" else None
 
 
 def tuning_layout(layout: str) -> str:
