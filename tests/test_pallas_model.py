@@ -348,11 +348,13 @@ def test_tickets_decode_step_lowers_to_triton_for_h200(q4km, monkeypatch):
 
 
 @pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
-def test_decode_block_lowers_graph_ready_for_h200(q4km, monkeypatch):
+@pytest.mark.parametrize("kernels,routing", [("pallas", "pallas"), ("pallas-q8-bf16", "pallas-tickets")])
+def test_decode_block_lowers_graph_ready_for_h200(q4km, monkeypatch, kernels, routing):
     """A decode block of the GPU configuration (the engine's ``lax.scan`` of steps, each with the
     GPU's sampler) lowered for an H200: the loop's body has no sort and no conditional, which
     would keep the loop on the host (a cub sort is no CUDA graph node; a conditional makes the
-    host wait for the card), and every kernel in it is a verified Triton module."""
+    host wait for the card), and every kernel in it is a verified Triton module. Also under
+    pallas-tickets (its epilogues decide in-kernel, not in XLA), two rows a step."""
     import jax
     import jax.numpy as jnp
 
@@ -360,7 +362,7 @@ def test_decode_block_lowers_graph_ready_for_h200(q4km, monkeypatch):
     from bloomery_jax.engine.cache import SlotCache
     from triton_lowering import lowered_for_h200, triton_kernels
 
-    model = load_model(q4km, kernels="pallas", attention="pallas", routing="pallas")
+    model = load_model(q4km, kernels=kernels, attention="pallas", routing=routing)
     compile_kernels(monkeypatch)
     monkeypatch.setattr(sampling, "SEARCH_PLATFORMS", ("gpu", jax.default_backend()))
     monkeypatch.setattr(sampling, "BRANCH_FREE_PLATFORMS", ("gpu", jax.default_backend()))
@@ -375,7 +377,12 @@ def test_decode_block_lowers_graph_ready_for_h200(q4km, monkeypatch):
             jnp.ones(rows, bool))
     built = triton_kernels(monkeypatch, block, *args)
     names = {name for name, _, _ in built}
-    assert {"qgemv_many", "decode_qk_prep", "decode_attention", "router_logits", "route_topk", "moe_gemv_many"} <= names, names
+    if routing == "pallas":
+        assert {"qgemv_many", "decode_qk_prep", "decode_attention", "router_logits", "route_topk",
+                "moe_gemv_many"} <= names, names
+    else:
+        assert {"qgemv_q8_many", "decode_attention_prepped", "router_logits", "moe_gemv_q8_many"} <= names, names
+        assert not names & {"route_topk", "decode_qk_prep", "decode_attention"}, names
     assert all(cc == 90 and ok for _, cc, ok in built)
     text = lowered_for_h200(block, *args)
     assert text.count("stablehlo.while") == 1  # the scan itself
