@@ -37,7 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .attention import default_splits, softmax_step
-from .attn_prep import head_halves, normed_rotated, serves
+from .attn_prep import check_prep, head_halves, normed_rotated
 from .qgemv_q8 import _div_rn
 from .tickets import TICKETS, read_shared, when_last
 
@@ -62,9 +62,10 @@ def _kernel(start_ref, pos_ref, len_ref, qkv_ref, qn_ref, kn_ref, cos_ref, sin_r
 
     pos, length = pos_ref[0], len_ref[0]
     stored = (pos >= 0) & (pos < n_slots)  # padding positions store and see nothing
-    own = stored & (pos < length) & (j == 0)  # this split adds the step's own slot (visible)
+    sees_own = stored & (pos < length)  # the step's own slot is visible
+    own = sees_own & (j == 0)  # this split adds it
     visible = jnp.where(stored, jnp.minimum(pos + 1, length), 0)
-    cached = visible - (stored & (pos < length)).astype(jnp.int32)  # slots read from the cache: before the own slot
+    cached = visible - sees_own.astype(jnp.int32)  # slots read from the cache: before the own slot
     row = layer * n_rows + start_ref[0] + b
     share = (cached + splits * block_s - 1) // (splits * block_s)  # blocks each split walks (at most)
     first = j * share * block_s
@@ -155,20 +156,11 @@ def decode_attention_prepped(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Arra
       (float32 ``[B, Hq, Dh]``, cache_k, cache_v, tickets).
     """
     L, N, S, Hkv, Dh = cache_k.shape
-    n_parts, B, width = qkv.shape if qkv.ndim == 3 else (0, 0, 0)
-    Hq = width // Dh - 2 * Hkv
-    if (not serves(Dh, Dh) or width % Dh or Hq < Hkv or Hq % Hkv or n_parts < 1 or cache_v.shape != cache_k.shape
-            or cache_v.dtype != cache_k.dtype or q_norm.shape != (Dh,) or k_norm.shape != (Dh,)
-            or cos.shape != (B, Dh // 2) or sin.shape != cos.shape or positions.shape != (B,)
-            or lengths.shape != (B,) or tickets.shape != (TICKETS,) or B * Hq > TICKETS):
-        raise ValueError(f"decode_attention_prepped: needs qkv [P, B, (Hq + 2 Hkv) Dh], norms [Dh], cos/sin "
-                         f"[B, Dh/2], caches [L, N, S, Hkv, Dh] of one dtype, positions and lengths [B], Hkv "
-                         f"dividing Hq, Dh/2 a power of two, tickets [{TICKETS}] and B * Hq <= {TICKETS}; got qkv "
-                         f"{qkv.shape}, norms {q_norm.shape} {k_norm.shape}, cos {cos.shape}, caches "
-                         f"{cache_k.shape} {cache_k.dtype} {cache_v.shape} {cache_v.dtype}, positions "
-                         f"{positions.shape}, lengths {lengths.shape}, tickets {tickets.shape}")
-    if cache_k.size >= 2 ** 31:  # the kernel's offsets are int32
-        raise ValueError(f"decode_attention_prepped: a cache of {cache_k.size} elements is over the kernel's 2^31")
+    name = "decode_attention_prepped"
+    n_parts, B, width, Hq = check_prep(name, qkv, q_norm, k_norm, cos, sin, cache_k, cache_v, positions)
+    if lengths.shape != (B,) or tickets.shape != (TICKETS,) or B * Hq > TICKETS:
+        raise ValueError(f"{name}: needs lengths [{B}], tickets [{TICKETS}] and B * Hq <= {TICKETS}; got lengths "
+                         f"{lengths.shape}, tickets {tickets.shape}, B * Hq = {B * Hq}")
     n_splits = default_splits(S, block_s) if splits is None else splits
     if n_splits < 1:
         raise ValueError(f"decode_attention_prepped: splits must be >= 1, got {splits}")

@@ -38,7 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 F32 = jnp.float32
-__all__ = ["cache_qk_prep", "decode_qk_prep", "head_halves", "normed_rotated", "serves"]
+__all__ = ["cache_qk_prep", "check_prep", "decode_qk_prep", "head_halves", "normed_rotated", "serves"]
 
 
 def serves(head_dim: int, n_rot: int) -> bool:
@@ -99,6 +99,26 @@ def _kernel(start_ref, pos_ref, qkv_ref, qn_ref, kn_ref, cos_ref, sin_ref, ck_in
             plgpu.store(ref.at[row, pos, head, hi], second.astype(ref.dtype))
 
 
+def check_prep(name: str, qkv, q_norm, k_norm, cos, sin, cache_k, cache_v, positions) -> tuple[int, int, int, int]:
+    """``(P, B, width, Hq)`` of ``decode_qk_prep``'s inputs (shapes as its Args say), or a
+    ValueError from ``name`` naming what it cannot serve."""
+    _, _, _, Hkv, Dh = cache_k.shape
+    n_parts, B, width = qkv.shape if qkv.ndim == 3 else (0, 0, 0)
+    Hq = width // Dh - 2 * Hkv
+    if (not serves(Dh, Dh) or width % Dh or Hq < Hkv or Hq % Hkv or n_parts < 1 or cache_v.shape != cache_k.shape
+            or q_norm.shape != (Dh,) or k_norm.shape != (Dh,) or cos.shape != (B, Dh // 2) or sin.shape != cos.shape
+            or positions.shape != (B,)):
+        raise ValueError(f"{name}: needs qkv [P, B, (Hq + 2 Hkv) Dh], norms [Dh], cos/sin [B, Dh/2], "
+                         f"caches [L, N, S, Hkv, Dh], positions [B], Hkv dividing Hq, Dh/2 a power of two; got qkv "
+                         f"{qkv.shape}, norms {q_norm.shape} {k_norm.shape}, cos {cos.shape}, "
+                         f"caches {cache_k.shape} {cache_v.shape}, positions {positions.shape}")
+    if cache_k.size >= 2 ** 31:  # the kernel's offsets are int32
+        raise ValueError(f"{name}: a cache of {cache_k.size} elements is over the kernel's 2^31")
+    if cache_k.dtype != cache_v.dtype:
+        raise ValueError(f"{name}: the caches' dtypes differ: {cache_k.dtype}, {cache_v.dtype}")
+    return n_parts, B, width, Hq
+
+
 @functools.partial(jax.jit, static_argnames=("layer", "eps", "interpret"), donate_argnames=("cache_k", "cache_v"))
 def decode_qk_prep(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array, cos: jax.Array, sin: jax.Array,
                    cache_k: jax.Array, cache_v: jax.Array, layer: int, start, positions: jax.Array, *, eps: float,
@@ -120,19 +140,7 @@ def decode_qk_prep(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array, cos: ja
       (float32 ``[B, Hq, Dh]``, cache_k, cache_v) as in the module's contract.
     """
     L, N, S, Hkv, Dh = cache_k.shape
-    n_parts, B, width = qkv.shape if qkv.ndim == 3 else (0, 0, 0)
-    Hq = width // Dh - 2 * Hkv
-    if (not serves(Dh, Dh) or width % Dh or Hq < Hkv or Hq % Hkv or n_parts < 1 or cache_v.shape != cache_k.shape
-            or q_norm.shape != (Dh,) or k_norm.shape != (Dh,) or cos.shape != (B, Dh // 2) or sin.shape != cos.shape
-            or positions.shape != (B,)):
-        raise ValueError(f"decode_qk_prep: needs qkv [P, B, (Hq + 2 Hkv) Dh], norms [Dh], cos/sin [B, Dh/2], "
-                         f"caches [L, N, S, Hkv, Dh], positions [B], Hkv dividing Hq, Dh/2 a power of two; got qkv "
-                         f"{qkv.shape}, norms {q_norm.shape} {k_norm.shape}, cos {cos.shape}, "
-                         f"caches {cache_k.shape} {cache_v.shape}, positions {positions.shape}")
-    if cache_k.size >= 2 ** 31:  # the kernel's offsets are int32
-        raise ValueError(f"decode_qk_prep: a cache of {cache_k.size} elements is over the kernel's 2^31")
-    if cache_k.dtype != cache_v.dtype:
-        raise ValueError(f"decode_qk_prep: the caches' dtypes differ: {cache_k.dtype}, {cache_v.dtype}")
+    n_parts, B, width, Hq = check_prep("decode_qk_prep", qkv, q_norm, k_norm, cos, sin, cache_k, cache_v, positions)
     G = Hq // Hkv
     flat = lambda a: a.reshape(L * N, S, Hkv, Dh)  # merges the leading axes: a view, not a copy  # noqa: E731
     whole = pl.BlockSpec(memory_space=pl.ANY)
